@@ -1,0 +1,1 @@
+"""Compressors: one module per family, each a small :class:`jaxcomm.core.Compressor`."""

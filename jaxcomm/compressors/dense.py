@@ -1,0 +1,137 @@
+"""Dense exchanges: the fp32 all-reduce baseline and low-precision casts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm import core
+from jaxcomm.exchange import AxisName
+
+
+class Dense(core.CompressorBase):
+    """Identity payload, summed with an all-reduce."""
+
+    kind = "psum"
+
+    def encode(self, p, key):
+        return (p,), None
+
+    def decode(self, payload, aux, d, dtype):
+        return payload[0].astype(dtype)
+
+    def wire_size(self, d: int, dtype: Any) -> int:
+        return d * jnp.dtype(dtype).itemsize
+
+
+def allreduce(*, axis_name: AxisName | None = None) -> optax.GradientTransformation:
+    """Dense mean over workers: the uncompressed baseline (one all-reduce per leaf).
+
+    Args:
+      axis_name: mesh axis to average over; ``None`` returns the updates as
+        they are.
+
+    Returns:
+      An ``optax.GradientTransformation``; wire bytes = 4 per fp32 entry.
+
+    Example:
+      >>> tx = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.sgd(0.1))
+    """
+    return core.compress(Dense(), axis_name=axis_name, error_feedback=False, min_size=0)
+
+
+_CAST_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+class Cast(core.CompressorBase):
+    """Payload cast to a 16-bit float.
+
+    ``accumulate="psum"`` sums the 16-bit payload with an all-reduce in that
+    dtype. ``accumulate="all_gather"`` bit-casts the payload to ``uint16``,
+    all-gathers it and sums the n payloads in float32.
+    """
+
+    def __init__(self, dtype: Any, accumulate: str = "psum"):
+        self.dtype = jnp.dtype(dtype)
+        self.kind = accumulate
+        self.per_worker_key = False
+
+    def encode(self, p, key):
+        q = p.astype(self.dtype)
+        if self.kind == "all_gather":
+            q = lax.bitcast_convert_type(q, jnp.uint16)
+        return (q,), None
+
+    def decode(self, payload, aux, d, dtype):
+        q = payload[0]
+        if self.kind == "psum":
+            return q.astype(dtype)
+        q = lax.bitcast_convert_type(q, self.dtype).astype(jnp.float32)
+        return q.sum(axis=0).astype(dtype)
+
+    def wire_size(self, d: int, dtype: Any) -> int:
+        return d * self.dtype.itemsize
+
+
+def cast(
+    dtype: Any = jnp.bfloat16,
+    *,
+    axis_name: AxisName | None = None,
+    accumulate: str = "psum",
+    error_feedback: bool = False,
+    min_size: int = 1024,
+) -> optax.GradientTransformation:
+    """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
+
+    Args:
+      dtype: ``jnp.bfloat16`` (default) or ``jnp.float16`` (or their names).
+      axis_name: mesh axis to average over; ``None`` rounds locally.
+      accumulate: ``"psum"`` (default) sums in the 16-bit dtype with one
+        all-reduce (what NCCL/TPU do natively; the sum of n values is
+        rounded to 16 bits). ``"all_gather"`` gathers the 16-bit payloads
+        (as ``uint16`` bits) and sums them in float32: exact accumulation,
+        at the cost of an all-gather ((n-1)·s bytes received vs ~2·s for a
+        ring all-reduce).
+      error_feedback: keep the rounding error in a residual.
+      min_size: leaves with fewer entries are averaged in their own dtype.
+
+    Returns:
+      An ``optax.GradientTransformation``; updates keep their input dtype.
+
+    Backend note: XLA:CPU promotes a bf16 all-reduce (and all-gather) to
+    float32 in the compiled program, so on CPU ``accumulate="psum"`` with
+    bf16 really moves 4 bytes per entry
+    (``jaxcomm.accounting.collective_bytes`` shows it); fp16 and the
+    ``uint16`` all-gather are not promoted. GPU (NCCL) and TPU reduce bf16
+    natively.
+
+    Example:
+      >>> tx = optax.chain(jaxcomm.cast(jnp.bfloat16, axis_name="data"), optax.adam(1e-3))
+
+    References:
+      Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740.
+    """
+    name = getattr(dtype, "__name__", None) or str(dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in _CAST_DTYPES:
+        raise TypeError(
+            f"dtype: expected one of {sorted(_CAST_DTYPES)} for jaxcomm.cast, got {name}"
+            " (use jaxcomm.int8 / jaxcomm.qsgd for integer quantisation)"
+        )
+    if accumulate not in ("psum", "all_gather"):
+        raise ValueError(f"accumulate: expected 'psum' or 'all_gather', got {accumulate!r}")
+    return core.compress(
+        Cast(resolved, accumulate),
+        axis_name=axis_name,
+        error_feedback=error_feedback,
+        min_size=min_size,
+    )
+
+
+__all__ = ["allreduce", "cast", "Dense", "Cast"]

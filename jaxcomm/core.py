@@ -1,0 +1,341 @@
+"""The one path every jaxcomm compressor runs on.
+
+    grads (pytree, per worker)
+      -> memory.add        p = g + e            (error feedback)
+      -> compressor.encode payload = C(p)       (pure, static shapes)
+      -> exchange          psum | all_gather over axis_name
+      -> compressor.decode mean of decoded payloads
+      -> memory.update     e = p - decode(own payload)
+
+:func:`compress` builds that path as an ``optax.GradientTransformation`` for
+any object following the :class:`Compressor` protocol. The named methods
+(:func:`jaxcomm.topk`, :func:`jaxcomm.cast`, ...) are thin factories over it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxcomm import exchange
+
+Payload = tuple[jax.Array, ...]
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """What a compressor must provide. It works on one flat vector at a time.
+
+    Attributes:
+      kind: how payloads are exchanged: ``"psum"`` (the payload is linear, so
+        summing payloads sums the decoded vectors; e.g. casts, random-k with
+        shared indices, PowerSGD's factors) or ``"all_gather"`` (every worker
+        receives every payload and decodes each; e.g. top-k values+indices).
+      needs_key: whether :meth:`encode` uses randomness.
+      per_worker_key: whether workers must draw different random numbers (the
+        key is then folded with the worker's axis index); otherwise all
+        workers share the step's key (e.g. shared random-k indices), made
+        identical by one 8-byte all-reduce (``exchange.agree``).
+    """
+
+    kind: str
+    needs_key: bool
+    per_worker_key: bool
+
+    def encode(self, p: jax.Array, key: jax.Array | None) -> tuple[Payload, Any]:
+        """Compress flat ``p`` (shape ``(d,)``) into ``(payload, aux)``.
+
+        ``payload`` is what goes on the wire (a tuple of arrays with static
+        shapes); ``aux`` is local side information decode may use (never sent),
+        e.g. indices every worker can recompute from a shared key.
+        """
+        ...
+
+    def decode(self, payload: Payload, aux: Any, d: int, dtype: Any) -> jax.Array:
+        """Dense ``(d,)`` vector of dtype ``dtype``: the SUM of the contributions.
+
+        For ``kind="psum"`` ``payload`` is the (summed) payload; for
+        ``kind="all_gather"`` every payload array has a leading axis of
+        workers (size 1 for the worker's own payload).
+        """
+        ...
+
+    def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
+        """``p - decode(own payload)``, the error-feedback memory update."""
+        ...
+
+    def wire_size(self, d: int, dtype: Any) -> int:
+        """Bytes of the payload one worker contributes for a vector of ``d``."""
+        ...
+
+
+class CompressorBase:
+    """Defaults for :class:`Compressor` implementations."""
+
+    kind: str = "all_gather"
+    needs_key: bool = False
+    per_worker_key: bool = True
+
+    def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
+        own = payload if self.kind == "psum" else tuple(x[None] for x in payload)
+        return p - self.decode(own, aux, p.shape[0], p.dtype)
+
+
+class CompressState(NamedTuple):
+    """State of :func:`compress` (and of every compressor factory built on it).
+
+    Attributes:
+      count: int32 ``[]``, number of updates made.
+      key: uint32 ``[2]`` raw PRNG key, split every step; ``None`` for
+        deterministic compressors.
+      residual: error-feedback memory, same tree/shapes/dtypes as the params
+        (one extra copy of the model); ``None`` without error feedback.
+      nonfinite: int32 ``[]``, number of steps in which this worker's gradient
+        held NaN or Inf; on those steps the residual was left unchanged.
+    """
+
+    count: jax.Array
+    key: jax.Array | None
+    residual: Any
+    nonfinite: jax.Array
+
+
+def check_ratio(ratio: Any, name: str = "ratio") -> float:
+    """Validate a compression ratio in (0, 1]."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a float in (0, 1], got {ratio!r}")
+    ratio = float(ratio)
+    if not (0.0 < ratio <= 1.0) or math.isnan(ratio):
+        raise ValueError(f"{name}: must be in (0, 1], got {ratio}")
+    return ratio
+
+
+def num_kept(ratio: float, d: int) -> int:
+    """Entries a sparsifier keeps of ``d``: ``max(1, ceil(ratio * d))``, at most d."""
+    return min(d, max(1, math.ceil(ratio * d - 1e-9)))
+
+
+def _raw_key(key: Any, name: str = "key") -> jax.Array:
+    if key is None:
+        raise TypeError(f"{name}: a PRNG key is required, e.g. {name}=jax.random.key(0)")
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise TypeError(
+            f"{name}: expected a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
+            f"got an array of dtype {key.dtype} and shape {key.shape}"
+        )
+    return key
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def _check_leaves(leaves_with_path: Sequence[tuple[Any, Any]], what: str) -> None:
+    for path, leaf in leaves_with_path:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{what}: leaf {_path_str(path)} has dtype {dtype}; jaxcomm compresses "
+                f"floating-point gradients only. Remove integer/bool leaves from the tree "
+                f"(e.g. with optax.partition / optax.masked) before this transform."
+            )
+
+
+def _check_state(state: Any, updates: Any, *, error_feedback: bool, needs_key: bool) -> None:
+    if not isinstance(state, CompressState):
+        raise TypeError(
+            f"state: expected the CompressState made by this transform's init, got "
+            f"{type(state).__name__}. Pass the state returned by tx.init(params) of the same "
+            f"transform."
+        )
+    if needs_key and state.key is None:
+        raise ValueError(
+            "state: this transform needs a PRNG key in its state but state.key is None; the "
+            "state comes from a different transform."
+        )
+    if error_feedback:
+        if state.residual is None:
+            raise ValueError(
+                "state: this transform uses error feedback but state.residual is None; the "
+                "state comes from a transform built with error_feedback=False."
+            )
+        s_res, s_upd = jax.tree.structure(state.residual), jax.tree.structure(updates)
+        if s_res != s_upd:
+            raise ValueError(
+                f"state.residual: its tree structure {s_res} does not match the updates' "
+                f"{s_upd}; was the state initialised with other params?"
+            )
+        for r, u in zip(jax.tree.leaves(state.residual), jax.tree.leaves(updates)):
+            if jnp.shape(r) != jnp.shape(u):
+                raise ValueError(
+                    f"state.residual: leaf shape {jnp.shape(r)} does not match the update's "
+                    f"{jnp.shape(u)}; was the state initialised with other params?"
+                )
+
+
+def _exchange_and_decode(
+    compressor: Compressor,
+    payload: Payload,
+    aux: Any,
+    d: int,
+    dtype: Any,
+    axis_name: exchange.AxisName | None,
+) -> jax.Array:
+    """Mean over workers of the decoded payloads (local decode without an axis)."""
+    if axis_name is None:
+        own = payload if compressor.kind == "psum" else tuple(x[None] for x in payload)
+        return compressor.decode(own, aux, d, dtype)
+    n = exchange.axis_size(axis_name)
+    if compressor.kind == "psum":
+        received = exchange.psum(payload, axis_name)
+    elif compressor.kind == "all_gather":
+        received = exchange.all_gather(payload, axis_name)
+    else:
+        raise ValueError(f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}")
+    total = compressor.decode(received, aux, d, dtype)
+    return total / jnp.asarray(n, total.dtype)
+
+
+def compress(
+    compressor: Compressor,
+    *,
+    axis_name: exchange.AxisName | None = None,
+    error_feedback: bool = True,
+    min_size: int = 1024,
+    key: jax.Array | None = None,
+    scope: str = "leaf",
+) -> optax.GradientTransformation:
+    """The generic compressed exchange: EF memory, encode, exchange, decode.
+
+    Args:
+      compressor: a :class:`Compressor`.
+      axis_name: mesh axis to average over. ``None``: no collective, the
+        update is compressed and decompressed locally (single-worker research).
+        Set: the update must run under ``jax.shard_map``/``jax.pmap``/
+        ``jax.vmap`` binding that axis, and returns the worker mean.
+      error_feedback: keep what was not sent in a residual and add it to the
+        next gradient (Seide et al. 2014; Karimireddy et al. 2019). The
+        residual has the params' shapes and dtypes: one extra model copy.
+      min_size: leaves with fewer entries go dense (a plain mean in their own
+        dtype, no residual), as torch's PowerSGD hook does for biases.
+      key: PRNG key, required when ``compressor.needs_key``.
+      scope: ``"leaf"`` compresses each leaf on its own; ``"global"``
+        concatenates all compressible leaves into one vector first (e.g.
+        global top-k: the k largest entries of the whole model).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`CompressState`. Updates come out in the dtype they came in.
+
+    Non-finite gradients: if any compressible leaf of a worker's ``g + e``
+    holds NaN/Inf, that worker's residual is left unchanged for the step
+    (``state.nonfinite`` counts such steps) and the NaN/Inf passes through to
+    the output, so wrap the chain in ``optax.apply_if_finite`` to skip such
+    steps. Residuals are never poisoned.
+
+    Integer or bool leaves raise ``TypeError``: filter them out first.
+    """
+    axis_name = exchange.check_axis_name(axis_name)
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+        raise ValueError(f"min_size: expected an int >= 0, got {min_size!r}")
+    if scope not in ("leaf", "global"):
+        raise ValueError(f"scope: expected 'leaf' or 'global', got {scope!r}")
+    raw_key = _raw_key(key) if compressor.needs_key else None
+
+    def init_fn(params):
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        _check_leaves(leaves, "params")
+        residual = jax.tree.map(jnp.zeros_like, params) if error_feedback else None
+        return CompressState(
+            count=jnp.zeros((), jnp.int32),
+            key=raw_key,
+            residual=residual,
+            nonfinite=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        _check_state(state, updates, error_feedback=error_feedback, needs_key=compressor.needs_key)
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        _check_leaves(with_path, "updates")
+        grads = [g for _, g in with_path]
+        residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
+
+        new_key, step_key = (None, None)
+        if compressor.needs_key:
+            new_key, step_key = jax.random.split(state.key)
+            if axis_name is not None:
+                if compressor.per_worker_key:
+                    step_key = jax.random.fold_in(step_key, exchange.axis_index(axis_name))
+                else:  # one 8-byte all-reduce: identical (and invariant-typed) everywhere
+                    step_key = exchange.agree(step_key, axis_name)
+
+        compressible = [i for i, g in enumerate(grads) if g.size >= max(min_size, 1)]
+        dense = set(range(len(grads))) - set(compressible)
+        outputs: list[jax.Array | None] = [None] * len(grads)
+        new_res: list[jax.Array | None] = list(residuals) if error_feedback else []
+
+        # Dense leaves: plain mean, no residual.
+        for i in sorted(dense):
+            g = grads[i]
+            outputs[i] = g if axis_name is None else exchange.pmean(g, axis_name)
+
+        ps = {}
+        for i in compressible:
+            g = grads[i]
+            p = g.reshape(-1)
+            if error_feedback:
+                p = p + residuals[i].reshape(-1).astype(g.dtype)
+            ps[i] = p
+
+        # Groups of leaves compressed as one vector.
+        groups = [[i] for i in compressible] if scope == "leaf" else [compressible] if compressible else []
+        own_res: dict[int, jax.Array] = {}
+        for gi, group in enumerate(groups):
+            if len(group) == 1:
+                vec = ps[group[0]]
+            else:
+                dtype = jnp.result_type(*[ps[i].dtype for i in group])
+                vec = jnp.concatenate([ps[i].astype(dtype) for i in group])
+            leaf_key = None if step_key is None else jax.random.fold_in(step_key, gi)
+            payload, aux = compressor.encode(vec, leaf_key)
+            payload = tuple(payload)
+            mean = _exchange_and_decode(compressor, payload, aux, vec.shape[0], vec.dtype, axis_name)
+            res = compressor.residual(vec, payload, aux) if error_feedback else None
+            offset = 0
+            for i in group:
+                size = ps[i].shape[0]
+                sl = slice(offset, offset + size) if len(group) > 1 else slice(None)
+                outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
+                if res is not None:
+                    own_res[i] = res[sl]
+                offset += size
+
+        nonfinite = state.nonfinite
+        if error_feedback and compressible:
+            finite = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(ps[i] * 0)) for i in compressible]))
+            for i in compressible:
+                r = own_res[i].reshape(residuals[i].shape).astype(residuals[i].dtype)
+                new_res[i] = jnp.where(finite, r, residuals[i])
+            nonfinite = nonfinite + (~finite).astype(jnp.int32)
+
+        new_state = CompressState(
+            count=optax.safe_int32_increment(state.count),
+            key=new_key,
+            residual=treedef.unflatten(new_res) if error_feedback else None,
+            nonfinite=nonfinite,
+        )
+        return treedef.unflatten(outputs), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,12 @@
+"""Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 fake CPU devices; jax was imported too early"

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: run a transform on 8 workers three ways."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+N = 8
+AXIS = "data"
+
+
+def mesh():
+    return jax.make_mesh((N,), (AXIS,))
+
+
+def stack(tree, n: int = N):
+    """n identical copies along a new leading (worker) axis."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (n,) + jnp.shape(x)), tree)
+
+
+def per_worker_grads(params, seed: int = 0, n: int = N, scale: float = 1.0):
+    """Different normal gradients on every worker: leaves of shape (n, *leaf.shape)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(scale * rng.normal(size=(n,) + p.shape), p.dtype), params
+    )
+
+
+def _unstack(t):
+    return jax.tree.map(lambda x: x[0], t)
+
+
+def _restack(t):
+    return jax.tree.map(lambda x: x[None], t)
+
+
+def shard_map_update(tx, grads, state, *, jit: bool = True):
+    """``tx.update`` under jax.shard_map; grads/state have a leading worker axis.
+
+    Returns (updates of worker 0 — replicated, checked by out_specs=P() —,
+    new per-worker state with the leading axis).
+    """
+    m = mesh()
+
+    def f(g, s):
+        u, s = tx.update(_unstack(g), _unstack(s))
+        return u, _restack(s)
+
+    fn = jax.shard_map(f, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
+    if jit:
+        fn = jax.jit(fn)
+    sh = NamedSharding(m, P(AXIS))
+    return fn(jax.device_put(grads, sh), jax.device_put(state, sh))
+
+
+def shard_map_compiled(tx, grads, state):
+    """The compiled shard_map'd update (for HLO inspection)."""
+    m = mesh()
+
+    def f(g, s):
+        u, s = tx.update(_unstack(g), _unstack(s))
+        return u, _restack(s)
+
+    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS))))
+    sh = NamedSharding(m, P(AXIS))
+    return fn.lower(jax.device_put(grads, sh), jax.device_put(state, sh)).compile()
+
+
+def pmap_update(tx, grads, state):
+    """``tx.update`` under jax.pmap; outputs keep the leading worker axis."""
+    return jax.pmap(lambda g, s: tx.update(g, s), axis_name=AXIS)(grads, state)
+
+
+def vmap_update(tx, grads, state):
+    """``tx.update`` under jax.vmap(axis_name=...): one device, n simulated workers."""
+    return jax.jit(jax.vmap(lambda g, s: tx.update(g, s), axis_name=AXIS))(grads, state)
+
+
+def np_tree(t):
+    return jax.tree.map(lambda x: np.asarray(x, dtype=np.float64), t)

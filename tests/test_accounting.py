@@ -1,0 +1,114 @@
+"""wire_bytes (what the algorithm sends) and HLO parsing (what the program moves)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm.compressors import dense, sparse
+from tests import helpers as H
+
+PARAMS = {"w": jnp.zeros((100, 50)), "e": jnp.zeros((3000,)), "b": jnp.zeros((10,))}
+DENSE_B = 10 * 4  # "b" is below min_size=1024: dense fp32
+
+
+def k_of(ratio, d):
+    return max(1, math.ceil(ratio * d))
+
+
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_wire_bytes_closed_forms(n):
+    d = {"w": 5000, "e": 3000}
+    assert jaxcomm.wire_bytes(jaxcomm.allreduce(axis_name="x"), PARAMS, n) == 4 * 8010
+    assert jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n) == 2 * 8000 + DENSE_B
+    topk = jaxcomm.topk(0.01, axis_name="x")
+    assert jaxcomm.wire_bytes(topk, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    glob = jaxcomm.topk(0.01, axis_name="x", scope="global")
+    assert jaxcomm.wire_bytes(glob, PARAMS, n) == 8 * k_of(0.01, 8000) + DENSE_B
+    rk = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x")
+    assert jaxcomm.wire_bytes(rk, PARAMS, n) == sum(4 * k_of(0.01, v) for v in d.values()) + DENSE_B + 8
+    rkw = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x", shared_indices=False)
+    assert jaxcomm.wire_bytes(rkw, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    th = jaxcomm.threshold(0.01, axis_name="x")
+    slots = sum(math.ceil(v / math.ceil(v / k_of(0.01, v))) for v in d.values())
+    assert jaxcomm.wire_bytes(th, PARAMS, n) == 8 * slots + DENSE_B
+
+
+def test_without_axis_nothing_is_sent():
+    assert jaxcomm.wire_bytes(jaxcomm.topk(0.01), PARAMS, 8) == 0
+    assert jaxcomm.accounting.wire_report(jaxcomm.allreduce(), PARAMS, 8) == []
+
+
+@pytest.mark.parametrize(
+    "comp",
+    [dense.Dense(), dense.Cast(jnp.bfloat16), sparse.TopK(0.01), sparse.Threshold(0.003, 0.01),
+     sparse.RandomK(0.02, shared=False, rescale=True, sampling="stratified")],
+    ids=lambda c: type(c).__name__,
+)
+def test_protocol_wire_size_equals_traced_bytes(comp):
+    key = jax.random.key(0) if comp.needs_key else None
+    tx = jaxcomm.compress(comp, axis_name="x", key=key, error_feedback=False)
+    expected = sum(comp.wire_size(int(x.size), x.dtype) for x in jax.tree.leaves(PARAMS)
+                   if x.size >= 1024) + DENSE_B
+    assert jaxcomm.wire_bytes(tx, PARAMS, 8) == expected
+
+
+def test_compositions_are_counted():
+    chained = optax.chain(jaxcomm.topk(0.01, axis_name="x"), optax.adam(1e-3))
+    assert jaxcomm.wire_bytes(chained, PARAMS, 8) == jaxcomm.wire_bytes(
+        jaxcomm.topk(0.01, axis_name="x"), PARAMS, 8)
+    # per-leaf policy: top-k for the matrix, bf16 for the rest
+    part = optax.partition(
+        {"sparse": jaxcomm.topk(0.01, axis_name="x", min_size=0),
+         "cast": jaxcomm.cast(axis_name="x", min_size=0)},
+        {"w": "sparse", "e": "cast", "b": "cast"},
+    )
+    assert jaxcomm.wire_bytes(part, PARAMS, 8) == 8 * 50 + 2 * 3010
+    every4 = optax.MultiSteps(jaxcomm.allreduce(axis_name="x"), every_k_schedule=4)
+    assert jaxcomm.wire_bytes(every4, PARAMS, 8) == 4 * 8010  # one exchange, when it happens
+
+
+def test_axis_sizes_per_axis():
+    tx = jaxcomm.allreduce(axis_name=("node", "local"))
+    report = jaxcomm.accounting.wire_report(tx, PARAMS, {"node": 2, "local": 4})
+    assert {c.axis for c in report} == {("node", "local")}
+    with pytest.raises(ValueError, match="n_workers: no size given for mesh axis 'local'"):
+        jaxcomm.wire_bytes(tx, PARAMS, {"node": 2})
+
+
+HLO = """
+ENTRY %main {
+  %ar = (f32[100]{0}, bf16[10,4]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], to_apply=%add
+  %ag = s32[8,25]{1,0} all-gather(%c), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %ag2 = f32[4,6]{1,0} all-gather(%d), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %rs = f32[16]{0} reduce-scatter(%e), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}
+  %cp = u8[33]{0} collective-permute(%f), channel_id=5, source_target_pairs={{0,1},{1,2}}
+  %ags = (f32[10]{0}, f32[80]{0}) all-gather-start(%g), channel_id=6, replica_groups=[1,8]<=[8]
+  %agd = f32[80]{0} all-gather-done(%ags)
+  %notme = f32[7]{0} add(%all-reduce.1, %x)
+}
+"""
+
+
+def test_hlo_parser_on_known_text():
+    got = [(c.kind, c.nbytes, c.dtype) for c in jaxcomm.accounting.hlo_collectives(HLO)]
+    assert got == [
+        ("all_reduce", 400 + 80, "f32"),
+        ("all_gather", 25 * 4, "s32"),
+        ("all_gather", 6 * 4, "f32"),
+        ("reduce_scatter", 16 * 4 * 4, "f32"),
+        ("collective_permute", 33, "u8"),
+        ("all_gather", 40, "f32"),
+    ]
+    assert jaxcomm.accounting.collective_bytes(HLO) == 480 + 100 + 24 + 256 + 33 + 40
+
+
+def test_collective_bytes_accepts_lowered_and_compiled():
+    tx = jaxcomm.allreduce(axis_name="data")
+    params = {"w": jnp.zeros((64,))}
+    compiled = H.shard_map_compiled(tx, H.per_worker_grads(params), H.stack(tx.init(params)))
+    assert jaxcomm.accounting.collective_bytes(compiled) == 256
+    assert jaxcomm.accounting.collective_bytes(compiled.as_text()) == 256

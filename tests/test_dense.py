@@ -1,0 +1,75 @@
+"""allreduce and cast against NumPy, on 8 workers."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxcomm
+from tests import helpers as H
+
+PARAMS = {"w": jnp.zeros((40, 64)), "b": jnp.zeros((10,))}
+
+
+def test_allreduce_is_the_mean():
+    tx = jaxcomm.allreduce(axis_name="data")
+    g = H.per_worker_grads(PARAMS, seed=0)
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
+    for k in PARAMS:
+        np.testing.assert_allclose(out[k], np.asarray(g[k], np.float64).mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_allreduce_without_axis_is_identity():
+    tx = jaxcomm.allreduce()
+    g = {k: v[0] for k, v in H.per_worker_grads(PARAMS).items()}
+    out, _ = tx.update(g, tx.init(PARAMS))
+    for k in PARAMS:
+        np.testing.assert_array_equal(out[k], g[k])
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16),
+                                             (jnp.float16, np.float16)])
+def test_cast_all_gather_rounds_each_worker_then_sums_in_fp32(dtype, np_dtype):
+    tx = jaxcomm.cast(dtype, axis_name="data", accumulate="all_gather", min_size=100)
+    g = H.per_worker_grads(PARAMS, seed=1)
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
+    w = np.asarray(g["w"])
+    expected = w.astype(np_dtype).astype(np.float32).sum(0) / 8
+    np.testing.assert_allclose(out["w"], expected, rtol=1e-6, atol=1e-7)
+    assert out["w"].dtype == jnp.float32
+    # "b" is below min_size: exact fp32 mean
+    np.testing.assert_allclose(out["b"], np.asarray(g["b"]).mean(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16),
+                                             (jnp.float16, np.float16)])
+def test_cast_psum_matches_low_precision_sum(dtype, np_dtype):
+    tx = jaxcomm.cast(dtype, axis_name="data", min_size=100)
+    g = H.per_worker_grads(PARAMS, seed=2)
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
+    q = np.asarray(g["w"]).astype(np_dtype).astype(np.float64)
+    exact = q.sum(0) / 8
+    # the sum is rounded to the 16-bit dtype at most once per addition
+    eps = float(ml_dtypes.finfo(np_dtype).eps)
+    bound = 8 * eps * np.abs(q).sum(0) / 8 + 1e-7
+    assert np.all(np.abs(np.asarray(out["w"], np.float64) - exact) <= bound)
+    # and differs from the fp32 mean by the cast error
+    assert np.abs(np.asarray(out["w"]) - np.asarray(g["w"]).mean(0)).max() > 0
+
+
+def test_cast_keeps_bf16_params_in_bf16():
+    params = {"w": jnp.zeros((64, 32), jnp.bfloat16)}
+    tx = jaxcomm.cast(jnp.float16, axis_name="data", min_size=0)
+    g = H.per_worker_grads(params, seed=3)
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(params)))
+    assert out["w"].dtype == jnp.bfloat16
+
+
+def test_cast_error_feedback_keeps_the_rounding_error():
+    params = {"w": jnp.zeros((2048,))}
+    tx = jaxcomm.cast(jnp.bfloat16, error_feedback=True)
+    g = {"w": jnp.asarray(np.random.default_rng(0).normal(size=2048), jnp.float32)}
+    out, state = tx.update(g, tx.init(params))
+    expected = np.asarray(g["w"]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(out["w"], expected)
+    np.testing.assert_array_equal(state.residual["w"], np.asarray(g["w"]) - expected)
