@@ -135,6 +135,7 @@ def train(
         fn(*jax.device_put((state, split.x_train, split.y_train), sh))
     )
     p0 = jax.tree.map(lambda a: a[0], params)
-    train_loss = float(np.mean([loss_fn(p0, split.x_train[w], split.y_train[w])
-                                for w in range(n_workers)]))
+    train_loss = float(
+        np.mean([loss_fn(p0, split.x_train[w], split.y_train[w]) for w in range(n_workers)])
+    )
     return Result(accuracy(p0, split.x_test, split.y_test), train_loss, params, opt_state)

@@ -66,7 +66,9 @@ def wire_report(
     Returns:
       A list of :class:`jaxcomm.exchange.Collective`.
     """
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
+    )
     with exchange.recording(n_workers) as ledger:
         state = jax.eval_shape(tx.init, abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)

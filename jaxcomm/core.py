@@ -200,7 +200,9 @@ def _exchange_and_decode(
     elif compressor.kind == "all_gather":
         received = exchange.all_gather(payload, axis_name)
     else:
-        raise ValueError(f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}")
+        raise ValueError(
+            f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}"
+        )
     total = compressor.decode(received, aux, d, dtype)
     return total / jnp.asarray(n, total.dtype)
 
@@ -246,7 +248,9 @@ def compress(
     """
     axis_name = exchange.check_axis_name(axis_name)
     if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}")
+        raise TypeError(
+            f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}"
+        )
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size: expected an int >= 0, got {min_size!r}")
     if scope not in ("leaf", "global"):
@@ -300,7 +304,13 @@ def compress(
             ps[i] = p
 
         # Groups of leaves compressed as one vector.
-        groups = [[i] for i in compressible] if scope == "leaf" else [compressible] if compressible else []
+        groups = (
+            [[i] for i in compressible]
+            if scope == "leaf"
+            else [compressible]
+            if compressible
+            else []
+        )
         own_res: dict[int, jax.Array] = {}
         for gi, group in enumerate(groups):
             if len(group) == 1:
@@ -311,7 +321,9 @@ def compress(
             leaf_key = None if step_key is None else jax.random.fold_in(step_key, gi)
             payload, aux = compressor.encode(vec, leaf_key)
             payload = tuple(payload)
-            mean = _exchange_and_decode(compressor, payload, aux, vec.shape[0], vec.dtype, axis_name)
+            mean = _exchange_and_decode(
+                compressor, payload, aux, vec.shape[0], vec.dtype, axis_name
+            )
             res = compressor.residual(vec, payload, aux) if error_feedback else None
             offset = 0
             for i in group:

@@ -119,8 +119,10 @@ def check_axis_name(axis_name: Any) -> AxisName | None:
     """Validate the type of an ``axis_name`` argument (a str, tuple of str or None)."""
     if axis_name is None or isinstance(axis_name, str):
         return axis_name
-    if isinstance(axis_name, (tuple, list)) and axis_name and all(
-        isinstance(a, str) for a in axis_name
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(a, str) for a in axis_name)
     ):
         return tuple(axis_name)
     raise TypeError(

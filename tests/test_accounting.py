@@ -25,13 +25,20 @@ def test_wire_bytes_closed_forms(n):
     assert jaxcomm.wire_bytes(jaxcomm.allreduce(axis_name="x"), PARAMS, n) == 4 * 8010
     assert jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n) == 2 * 8000 + DENSE_B
     topk = jaxcomm.topk(0.01, axis_name="x")
-    assert jaxcomm.wire_bytes(topk, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    assert (
+        jaxcomm.wire_bytes(topk, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    )
     glob = jaxcomm.topk(0.01, axis_name="x", scope="global")
     assert jaxcomm.wire_bytes(glob, PARAMS, n) == 8 * k_of(0.01, 8000) + DENSE_B
     rk = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x")
-    assert jaxcomm.wire_bytes(rk, PARAMS, n) == sum(4 * k_of(0.01, v) for v in d.values()) + DENSE_B + 8
+    assert (
+        jaxcomm.wire_bytes(rk, PARAMS, n)
+        == sum(4 * k_of(0.01, v) for v in d.values()) + DENSE_B + 8
+    )
     rkw = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x", shared_indices=False)
-    assert jaxcomm.wire_bytes(rkw, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    assert (
+        jaxcomm.wire_bytes(rkw, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+    )
     th = jaxcomm.threshold(0.01, axis_name="x")
     slots = sum(math.ceil(v / math.ceil(v / k_of(0.01, v))) for v in d.values())
     assert jaxcomm.wire_bytes(th, PARAMS, n) == 8 * slots + DENSE_B
@@ -44,26 +51,36 @@ def test_without_axis_nothing_is_sent():
 
 @pytest.mark.parametrize(
     "comp",
-    [dense.Dense(), dense.Cast(jnp.bfloat16), sparse.TopK(0.01), sparse.Threshold(0.003, 0.01),
-     sparse.RandomK(0.02, shared=False, rescale=True, sampling="stratified")],
+    [
+        dense.Dense(),
+        dense.Cast(jnp.bfloat16),
+        sparse.TopK(0.01),
+        sparse.Threshold(0.003, 0.01),
+        sparse.RandomK(0.02, shared=False, rescale=True, sampling="stratified"),
+    ],
     ids=lambda c: type(c).__name__,
 )
 def test_protocol_wire_size_equals_traced_bytes(comp):
     key = jax.random.key(0) if comp.needs_key else None
     tx = jaxcomm.compress(comp, axis_name="x", key=key, error_feedback=False)
-    expected = sum(comp.wire_size(int(x.size), x.dtype) for x in jax.tree.leaves(PARAMS)
-                   if x.size >= 1024) + DENSE_B
+    expected = (
+        sum(comp.wire_size(int(x.size), x.dtype) for x in jax.tree.leaves(PARAMS) if x.size >= 1024)
+        + DENSE_B
+    )
     assert jaxcomm.wire_bytes(tx, PARAMS, 8) == expected
 
 
 def test_compositions_are_counted():
     chained = optax.chain(jaxcomm.topk(0.01, axis_name="x"), optax.adam(1e-3))
     assert jaxcomm.wire_bytes(chained, PARAMS, 8) == jaxcomm.wire_bytes(
-        jaxcomm.topk(0.01, axis_name="x"), PARAMS, 8)
+        jaxcomm.topk(0.01, axis_name="x"), PARAMS, 8
+    )
     # per-leaf policy: top-k for the matrix, bf16 for the rest
     part = optax.partition(
-        {"sparse": jaxcomm.topk(0.01, axis_name="x", min_size=0),
-         "cast": jaxcomm.cast(axis_name="x", min_size=0)},
+        {
+            "sparse": jaxcomm.topk(0.01, axis_name="x", min_size=0),
+            "cast": jaxcomm.cast(axis_name="x", min_size=0),
+        },
         {"w": "sparse", "e": "cast", "b": "cast"},
     )
     assert jaxcomm.wire_bytes(part, PARAMS, 8) == 8 * 50 + 2 * 3010

@@ -41,6 +41,8 @@ def test_error_feedback_is_what_makes_topk_work(split, dense_accuracy):
     with_ef = jaxcomm.topk(0.01, axis_name="data", min_size=0)
     r_no = digits.train(optax.chain(no_ef, optax.sgd(0.5)), steps=STEPS, split=split)
     r_ef = digits.train(optax.chain(with_ef, optax.sgd(0.5)), steps=STEPS, split=split)
-    print(f"dense {dense_accuracy:.4f}  topk+EF {r_ef.accuracy:.4f}  topk no EF {r_no.accuracy:.4f}")
+    print(
+        f"dense {dense_accuracy:.4f}  topk+EF {r_ef.accuracy:.4f}  topk no EF {r_no.accuracy:.4f}"
+    )
     # the training loss shows it unambiguously
     assert r_no.train_loss > 2 * r_ef.train_loss

@@ -16,7 +16,9 @@ def test_allreduce_is_the_mean():
     g = H.per_worker_grads(PARAMS, seed=0)
     out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
     for k in PARAMS:
-        np.testing.assert_allclose(out[k], np.asarray(g[k], np.float64).mean(0), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            out[k], np.asarray(g[k], np.float64).mean(0), rtol=1e-6, atol=1e-7
+        )
 
 
 def test_allreduce_without_axis_is_identity():
@@ -27,8 +29,9 @@ def test_allreduce_without_axis_is_identity():
         np.testing.assert_array_equal(out[k], g[k])
 
 
-@pytest.mark.parametrize("dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16),
-                                             (jnp.float16, np.float16)])
+@pytest.mark.parametrize(
+    "dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16), (jnp.float16, np.float16)]
+)
 def test_cast_all_gather_rounds_each_worker_then_sums_in_fp32(dtype, np_dtype):
     tx = jaxcomm.cast(dtype, axis_name="data", accumulate="all_gather", min_size=100)
     g = H.per_worker_grads(PARAMS, seed=1)
@@ -41,8 +44,9 @@ def test_cast_all_gather_rounds_each_worker_then_sums_in_fp32(dtype, np_dtype):
     np.testing.assert_allclose(out["b"], np.asarray(g["b"]).mean(0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16),
-                                             (jnp.float16, np.float16)])
+@pytest.mark.parametrize(
+    "dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16), (jnp.float16, np.float16)]
+)
 def test_cast_psum_matches_low_precision_sum(dtype, np_dtype):
     tx = jaxcomm.cast(dtype, axis_name="data", min_size=100)
     g = H.per_worker_grads(PARAMS, seed=2)

@@ -67,12 +67,21 @@ def run_reference(step, grads_seq, params, min_size, **kw):
 @pytest.mark.parametrize(
     "make, step, kw",
     [
-        (lambda: jaxcomm.topk(0.02, axis_name="data", min_size=MIN_SIZE), np_topk_step,
-         {"ratio": 0.02}),
-        (lambda: jaxcomm.threshold(0.02, axis_name="data", min_size=MIN_SIZE), np_threshold_step,
-         {"ratio": 0.02, "sample_ratio": 0.01}),
-        (lambda: jaxcomm.threshold(0.05, axis_name="data", sample_ratio=None, min_size=MIN_SIZE),
-         np_threshold_step, {"ratio": 0.05, "sample_ratio": None}),
+        (
+            lambda: jaxcomm.topk(0.02, axis_name="data", min_size=MIN_SIZE),
+            np_topk_step,
+            {"ratio": 0.02},
+        ),
+        (
+            lambda: jaxcomm.threshold(0.02, axis_name="data", min_size=MIN_SIZE),
+            np_threshold_step,
+            {"ratio": 0.02, "sample_ratio": 0.01},
+        ),
+        (
+            lambda: jaxcomm.threshold(0.05, axis_name="data", sample_ratio=None, min_size=MIN_SIZE),
+            np_threshold_step,
+            {"ratio": 0.05, "sample_ratio": None},
+        ),
     ],
     ids=["topk", "threshold", "threshold-nosample"],
 )
@@ -96,8 +105,10 @@ def test_topk_global_scope_keeps_k_largest_of_whole_tree():
     params = {"a": jnp.zeros((300,)), "b": jnp.zeros((700,))}
     tx = jaxcomm.topk(0.01, scope="global", min_size=0)
     rng = np.random.default_rng(1)
-    g = {"a": jnp.asarray(rng.normal(size=300) * 10, jnp.float32),
-         "b": jnp.asarray(rng.normal(size=700), jnp.float32)}
+    g = {
+        "a": jnp.asarray(rng.normal(size=300) * 10, jnp.float32),
+        "b": jnp.asarray(rng.normal(size=700), jnp.float32),
+    }
     out, state = tx.update(g, tx.init(params))
     flat = np.concatenate([np.asarray(g["a"]), np.asarray(g["b"])])
     sent, res = np_topk_step(flat, 0.01)
@@ -112,8 +123,14 @@ def test_topk_global_scope_keeps_k_largest_of_whole_tree():
 def test_randomk_with_error_feedback(shared, sampling):
     ratio, d = 0.05, 1000
     params = {"v": jnp.zeros((d,))}
-    tx = jaxcomm.randomk(ratio, key=jax.random.key(3), axis_name="data",
-                         shared_indices=shared, sampling=sampling, min_size=0)
+    tx = jaxcomm.randomk(
+        ratio,
+        key=jax.random.key(3),
+        axis_name="data",
+        shared_indices=shared,
+        sampling=sampling,
+        min_size=0,
+    )
     g = H.per_worker_grads(params, seed=2)
     state = H.stack(tx.init(params))
     out, new = H.shard_map_update(tx, g, state)
@@ -138,8 +155,9 @@ def test_randomk_without_error_feedback_is_unbiased(sampling):
     # d not divisible by k, so stratified strata have unequal sizes.
     d, ratio, steps = 203, 0.1, 3000
     params = {"v": jnp.zeros((d,))}
-    tx = jaxcomm.randomk(ratio, key=jax.random.key(7), error_feedback=False,
-                         sampling=sampling, min_size=0)
+    tx = jaxcomm.randomk(
+        ratio, key=jax.random.key(7), error_feedback=False, sampling=sampling, min_size=0
+    )
     g = jnp.asarray(np.random.default_rng(0).normal(size=d) + 0.5, jnp.float32)
 
     def body(state, _):
@@ -178,8 +196,9 @@ def test_randomk_without_error_feedback_is_unbiased(sampling):
         lambda: jaxcomm.threshold(0.01, axis_name="data", min_size=0),
         lambda: jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="data", min_size=0),
         # exact fp32 accumulation; a psum in fp16 also rounds the sum, outside EF's reach
-        lambda: jaxcomm.cast(jnp.float16, axis_name="data", accumulate="all_gather",
-                             error_feedback=True, min_size=0),
+        lambda: jaxcomm.cast(
+            jnp.float16, axis_name="data", accumulate="all_gather", error_feedback=True, min_size=0
+        ),
     ],
     ids=["topk", "threshold", "randomk", "cast-fp16"],
 )
