@@ -225,3 +225,30 @@ def test_k_is_at_least_one_and_at_most_d():
     assert jaxcomm.core.num_kept(1.0, 10) == 10
     assert jaxcomm.core.num_kept(0.1, 1000) == 100
     assert jaxcomm.core.num_kept(0.01, 1001) == 11
+
+
+@pytest.mark.parametrize("b", [1, 2, 7, 1000, 4099])
+def test_block_argmax_finds_first_maximum(b):
+    from jaxcomm.compressors.sparse import _block_argmax
+
+    rng = np.random.default_rng(b)
+    a = np.abs(rng.normal(size=(50, b))).astype(np.float32)
+    a[3, :] = 0.0  # all ties: first position
+    a[4, -1] = a[4].max() * 2  # maximum at the end
+    if b > 1:
+        a[5, 1] = a[5, 0] = 10.0  # exact tie: first of the two
+    np.testing.assert_array_equal(_block_argmax(jnp.asarray(a)), np.argmax(a, axis=1))
+    a[6, b // 2] = np.nan  # NaN wins its block
+    assert int(_block_argmax(jnp.asarray(a))[6]) == b // 2
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (10, 3), (40000, 40), (999, 999)])
+def test_kth_largest_is_exact(n, k):
+    from jaxcomm.compressors.sparse import _kth_largest
+
+    rng = np.random.default_rng(n)
+    a = np.abs(rng.standard_t(2, size=n)).astype(np.float32)
+    a[: n // 3] = a[n // 2]  # many ties
+    assert float(_kth_largest(jnp.asarray(a), k)) == np.sort(a)[::-1][k - 1]
+    a[0] = np.inf
+    assert float(_kth_largest(jnp.asarray(a), 1)) == np.inf

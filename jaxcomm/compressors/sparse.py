@@ -229,13 +229,53 @@ def randomk(
     )
 
 
+def _block_argmax(a: jax.Array) -> jax.Array:
+    """Per row of non-negative float32 ``a`` (m, b): the first position of its max, one pass.
+
+    Non-negative floats order like their uint32 bit patterns. The low
+    ``B = ceil(log2 b)`` bits of each pattern are replaced by ``2^B-1-pos``, so
+    a single integer max-reduction returns the largest value *and* where it
+    is (ties and values equal in all but the low B mantissa bits go to the
+    first position). A variadic argmax reduction costs ~7x a plain max on
+    XLA:CPU; this costs about the same as the max. The selection is exact up
+    to a relative 2^(B-23) of the block maximum; the value later sent is read
+    from the gradient itself, so it is exact. NaN (largest pattern) wins its
+    block, so it is sent and shows up downstream.
+    """
+    b = a.shape[1]
+    bits = max(1, (b - 1).bit_length())
+    low = jnp.uint32((1 << bits) - 1)
+    pattern = lax.bitcast_convert_type(a, jnp.uint32)
+    keys = (pattern & ~low) | (low - jnp.arange(b, dtype=jnp.uint32))
+    return (low - (keys.max(axis=1) & low)).astype(jnp.int32)
+
+
+def _kth_largest(a: jax.Array, k: int) -> jax.Array:
+    """The k-th largest entry of non-negative float32 ``a`` (1-D), without sorting.
+
+    Bisection over the uint32 bit patterns (which order like the floats):
+    32 rounds of "how many entries reach t?", each one compare-and-count
+    pass over ``a``. Exact, and far cheaper than ``lax.top_k``/``sort`` on
+    XLA:CPU for the sample sizes used here (a 40K-entry sort costs ~17
+    gradient copies of 4M; 32 counting passes over 40K cost ~0.3).
+    """
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    # invariant: count(bits >= lo) >= k > count(bits >= hi); 32 static rounds.
+    lo, hi = jnp.uint32(0), jnp.uint32(0xFFFFFFFF)
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
+        lo, hi = jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+    return lax.bitcast_convert_type(lo, jnp.float32)
+
+
 class Threshold(_Sparse):
     """Blocked top-k with a sampled magnitude threshold; reductions only, no sort of d.
 
     The vector is cut into ``m = ceil(d / B)`` blocks of ``B = ceil(d / k)``
     entries (``m <= k`` payload slots: the static cap). In each block the
-    entry of largest magnitude is found with two plain reductions (max, then
-    the first position equal to it). If ``sample_ratio`` is set, a threshold
+    entry of largest magnitude is found with one integer max-reduction over
+    the magnitudes' bit patterns (see :func:`_block_argmax`). If ``sample_ratio`` is set, a threshold
     is estimated as the top-``ratio`` magnitude of a strided sample of |p|
     (every ``round(1/sample_ratio)``-th entry) and a block's entry is sent only
     if it reaches the threshold (its slot carries value 0 otherwise). Entries
@@ -256,29 +296,23 @@ class Threshold(_Sparse):
         d = p.shape[0]
         b = self._block(d)
         full = d // b
-        a = jnp.abs(p)
-        maxes, idxs = [], []
+        a = jnp.abs(p).astype(jnp.float32)
+        idxs = []
         if full:
-            blocks = a[: full * b].reshape(full, b)
-            bmax = blocks.max(axis=1)
-            pos = jnp.min(
-                jnp.where(blocks == bmax[:, None], jnp.arange(b, dtype=jnp.int32), b), axis=1
-            )
-            maxes.append(bmax)
+            pos = _block_argmax(a[: full * b].reshape(full, b))
             idxs.append(jnp.arange(full, dtype=jnp.int32) * b + pos)
         if full * b < d:
             tail = a[full * b :]
-            maxes.append(tail.max(keepdims=True))
             idxs.append(full * b + jnp.argmax(tail, keepdims=True).astype(jnp.int32))
-        bmax = jnp.concatenate(maxes) if len(maxes) > 1 else maxes[0]
         idx = jnp.minimum(jnp.concatenate(idxs) if len(idxs) > 1 else idxs[0], d - 1)
         vals = p[idx]
         if self.sample_ratio is not None:
             stride = max(1, round(1.0 / self.sample_ratio))
-            sample = a[::stride]
-            ks = core.num_kept(self.ratio, sample.shape[0])
-            thr = lax.top_k(sample, ks)[0][-1]
-            vals = jnp.where(bmax >= thr, vals, jnp.zeros_like(vals))
+            sample = jnp.abs(p[::stride]).astype(jnp.float32)
+            thr = _kth_largest(sample, core.num_kept(self.ratio, sample.shape[0]))
+            # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
+            keep = ~(jnp.abs(vals).astype(jnp.float32) < thr)
+            vals = jnp.where(keep, vals, jnp.zeros_like(vals))
         return (vals, idx), None
 
 
