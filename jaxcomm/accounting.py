@@ -39,7 +39,14 @@ import optax
 from jaxcomm import exchange
 from jaxcomm.exchange import Collective
 
-__all__ = ["Collective", "wire_report", "wire_bytes", "hlo_collectives", "collective_bytes"]
+__all__ = [
+    "Collective",
+    "collective_bytes",
+    "hlo_collectives",
+    "traffic_bytes",
+    "wire_bytes",
+    "wire_report",
+]
 
 
 def wire_report(
@@ -110,6 +117,31 @@ def wire_bytes(
       80000
     """
     return sum(c.nbytes for c in wire_report(tx, params, n_workers))
+
+
+def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:
+    """Bytes one worker sends for ``collectives`` with bandwidth-optimal algorithms.
+
+    All-reduce of S: ``2(n-1)/n·S`` (ring / reduce-scatter + all-gather).
+    All-gather of a piece s: ``(n-1)·s``. Reduce-scatter of S: ``(n-1)/n·S``.
+    Collective-permute of s: ``s``. This is what makes sparse all-gathers
+    lose to a dense ring as n grows (see :mod:`jaxcomm.netsim`).
+
+    Example:
+      >>> report = jaxcomm.accounting.wire_report(tx, params, 8)
+      >>> jaxcomm.accounting.traffic_bytes(report, 8)
+    """
+    n = n_workers
+    if n < 1:
+        raise ValueError(f"n_workers: must be >= 1, got {n}")
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": n - 1,
+        "reduce_scatter": (n - 1) / n,
+        "collective_permute": 1.0 if n > 1 else 0.0,
+        "all_to_all": (n - 1) / n,
+    }
+    return sum(factor[c.kind] * c.nbytes for c in collectives)
 
 
 # --- compiled HLO -------------------------------------------------------------

@@ -88,6 +88,15 @@ def test_compositions_are_counted():
     assert jaxcomm.wire_bytes(every4, PARAMS, 8) == 4 * 8010  # one exchange, when it happens
 
 
+def test_traffic_bytes_closed_forms():
+    dense = jaxcomm.accounting.wire_report(jaxcomm.allreduce(axis_name="x"), PARAMS, 8)
+    assert jaxcomm.accounting.traffic_bytes(dense, 8) == pytest.approx(2 * 7 / 8 * 4 * 8010)
+    topk = jaxcomm.accounting.wire_report(jaxcomm.topk(0.01, axis_name="x", min_size=0), PARAMS, 8)
+    k = k_of(0.01, 5000) + k_of(0.01, 3000) + k_of(0.01, 10)
+    assert jaxcomm.accounting.traffic_bytes(topk, 8) == pytest.approx(7 * 8 * k)
+    assert jaxcomm.accounting.traffic_bytes(dense, 1) == 0
+
+
 def test_axis_sizes_per_axis():
     tx = jaxcomm.allreduce(axis_name=("node", "local"))
     report = jaxcomm.accounting.wire_report(tx, PARAMS, {"node": 2, "local": 4})
