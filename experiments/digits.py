@@ -95,6 +95,7 @@ def train(
     *,
     steps: int,
     model: str = "logreg",
+    hidden: int = 64,
     n_workers: int = 8,
     seed: int = 0,
     split: Split | None = None,
@@ -112,7 +113,7 @@ def train(
         )
     split = split or load(n_workers, seed=seed)
     mesh = jax.make_mesh((n_workers,), (AXIS,), devices=jax.devices()[:n_workers])
-    params = init_params(model, jax.random.key(seed))
+    params = init_params(model, jax.random.key(seed), hidden=hidden)
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n_workers,) + a.shape), t)
     state = (stack(params), stack(tx.init(params)))
 
