@@ -59,8 +59,9 @@ def wire_report(
     ``tx.update`` is traced to a jaxpr with a ledger open, so nothing is
     computed and no mesh or devices are needed; only collectives that end up
     in the traced program count. Collectives inside ``lax.cond`` branches
-    (``optax.MultiSteps``, periodic averaging) are counted once: the report
-    describes a step that communicates. A collective inside a loop body
+    (:func:`jaxcomm.accumulate`, :func:`jaxcomm.local_sgd`) are counted once:
+    the report describes a step that communicates. (``optax.MultiSteps``
+    runs its inner update, exchange included, on every micro-step.) A collective inside a loop body
     (``lax.scan``/``fori_loop``) is also counted once, like an HLO instruction.
 
     Args:
@@ -104,11 +105,15 @@ def wire_bytes(
     tx: optax.GradientTransformation,
     params: Any,
     n_workers: int | Mapping[str, int],
+    *,
+    axis: Any = None,
 ) -> int:
     """Bytes each worker contributes to collectives in one step of ``tx``.
 
     The sum of :func:`wire_report`'s ``nbytes``: the all-reduce payloads plus
     the worker's all-gathered pieces, in the dtypes the algorithms send.
+    ``axis`` counts only the collectives over that mesh axis (e.g. the slow
+    ``"node"`` axis of a :func:`jaxcomm.hierarchical` exchange).
 
     Example:
       >>> params = {"w": jnp.zeros((1000, 1000))}
@@ -116,7 +121,9 @@ def wire_bytes(
       >>> jaxcomm.wire_bytes(jaxcomm.topk(0.01, axis_name="data"), params, 8)
       80000
     """
-    return sum(c.nbytes for c in wire_report(tx, params, n_workers))
+    return sum(
+        c.nbytes for c in wire_report(tx, params, n_workers) if axis is None or c.axis == axis
+    )
 
 
 def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:

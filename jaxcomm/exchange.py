@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax import lax
 
 AxisName = str | tuple[str, ...]
@@ -214,25 +216,219 @@ def pmean(tree: Any, axis_name: AxisName) -> Any:
     return jax.tree.map(lambda x: x / jnp.asarray(n, x.dtype), psum(tree, axis_name))
 
 
-def all_gather(tree: Any, axis_name: AxisName) -> Any:
-    """Stack every worker's copy of each leaf along a new leading axis of size n.
+def all_gather(tree: Any, axis_name: AxisName, *, tiled: bool = False) -> Any:
+    """Every worker's copy of each leaf: stacked on a new leading axis of size n,
+    or concatenated along axis 0 with ``tiled=True``.
 
     Under ``jax.shard_map`` the result is marked invariant over the axis (every
-    worker holds the same stacked array), so a transform's output can use
+    worker holds the same gathered array), so a transform's output can use
     ``out_specs=P()``.
     """
     ledger = _ledger()
     if ledger is not None:
         n = ledger.size(axis_name)
-        return jax.tree.map(
-            lambda x: jnp.broadcast_to(_record("all_gather", axis_name, x)[None], (n,) + x.shape),
-            tree,
-        )
+
+        def stand_in(x):
+            x = jnp.broadcast_to(_record("all_gather", axis_name, x)[None], (n,) + x.shape)
+            return x.reshape((-1,) + x.shape[2:]) if tiled else x
+
+        return jax.tree.map(stand_in, tree)
     axis_size(axis_name)
 
     def gather(x):
         if _manual(axis_name):
-            return lax.all_gather(_as_varying(x, axis_name), axis_name, to="invarying")
-        return lax.all_gather(x, axis_name)
+            x = _as_varying(x, axis_name)
+            return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+        return lax.all_gather(x, axis_name, tiled=tiled)
 
     return jax.tree.map(gather, tree)
+
+
+def psum_scatter(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Reduce-scatter of a ``(n * c,)`` vector: worker i gets the sum of chunk i.
+
+    The operand (what a worker contributes) is the whole vector; each worker
+    receives ``c`` entries. ``x.shape[0]`` must be a multiple of n.
+    """
+    ledger = _ledger()
+    if ledger is not None:
+        n = ledger.size(axis_name)
+        return _record("reduce_scatter", axis_name, x)[: x.shape[0] // n] * n
+    axis_size(axis_name)
+    return lax.psum_scatter(_as_varying(x, axis_name), axis_name, tiled=True)
+
+
+def ppermute(x: jax.Array, axis_name: str, perm: list[tuple[int, int]]) -> jax.Array:
+    """Send ``x`` from worker ``src`` to worker ``dst`` for each pair in ``perm``."""
+    if _ledger() is not None:
+        return _record("collective_permute", axis_name, x)
+    axis_size(axis_name)
+    return lax.ppermute(_as_varying(x, axis_name), axis_name, perm)
+
+
+def ring_allreduce(tree: Any, axis_name: str) -> Any:
+    """Sum over workers by a ring: reduce-scatter then all-gather, by ``ppermute``.
+
+    The bandwidth-optimal algorithm behind NCCL/Horovod all-reduce (Baidu
+    2017; Patarasuk & Yuan 2009), written out as ``2(n-1)`` neighbour
+    exchanges of one chunk (``ceil(size/n)`` entries): each worker sends
+    ``2(n-1)/n·S`` bytes in all. A reference implementation, equal to
+    ``lax.psum`` up to float summation order; its compiled HLO shows the
+    collective-permutes. Each leaf is reduced separately.
+
+    Args:
+      tree: pytree of arrays (one worker's values).
+      axis_name: a single mesh axis name.
+
+    Returns:
+      The pytree summed over workers (the same values on every worker).
+      Under ``jax.shard_map`` the result is typed *varying* (it is built from
+      point-to-point messages, which shard_map cannot prove equal), so return
+      it with ``out_specs=P(axis)`` or pass ``check_vma=False``.
+
+    References:
+      Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters
+      of workstations", JPDC 2009.
+    """
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name: ring_allreduce runs over one axis (a str), got {axis_name!r}")
+    n = axis_size(axis_name)
+    return jax.tree.map(lambda x: _ring_leaf(x, axis_name, n), tree)
+
+
+def _ring_leaf(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    if n == 1:
+        return x
+    size = x.size
+    c = -(-size // n)
+    chunks = jnp.pad(x.reshape(-1), (0, n * c - size)).reshape(n, c)
+    me = axis_index(axis_name)
+    right = [(i, (i + 1) % n) for i in range(n)]
+    # reduce-scatter: after step s, chunk (me - s - 1) holds s + 2 workers' sum.
+    for s in range(n - 1):
+        received = ppermute(chunks[(me - s) % n], axis_name, right)
+        chunks = chunks.at[(me - s - 1) % n].add(received)
+    # worker `me` now holds the full sum of chunk (me + 1); pass the sums around.
+    for s in range(n - 1):
+        received = ppermute(chunks[(me + 1 - s) % n], axis_name, right)
+        chunks = chunks.at[(me - s) % n].set(received)
+    return chunks.reshape(-1)[:size].reshape(x.shape)
+
+
+# --- two-level (hierarchical) exchange -----------------------------------------
+
+
+class HierarchicalState(NamedTuple):
+    """State of :func:`hierarchical`.
+
+    Attributes:
+      inner: state of the wrapped transform; with ``inner_size`` it is sized
+        for this worker's 1/``inner_size`` shard of every leaf (flattened).
+    """
+
+    inner: Any
+
+
+def hierarchical(
+    tx: optax.GradientTransformation,
+    *,
+    inner_axis: str,
+    inner_size: int | None = None,
+) -> optax.GradientTransformation:
+    """Two-level exchange on a 2-D mesh: dense on the fast axis, ``tx`` on the slow one.
+
+    Build ``tx`` over the slow axis (between nodes, e.g. ``axis_name="node"``)
+    and wrap it; the gradient is first averaged densely over ``inner_axis``
+    (within a node: NVLink/PCIe), so only ``tx``'s compressed payload crosses
+    the slow links.
+
+    * ``inner_size`` given (sharded, the efficient form): reduce-scatter over
+      the inner axis gives each of the node's ``inner_size`` workers the
+      node-mean of a 1/``inner_size`` shard of every leaf (flattened, padded);
+      ``tx`` compresses and exchanges that shard over the slow axis; an
+      all-gather over the inner axis reassembles the leaf. Every worker's
+      slow-link bytes are ``tx``'s bytes for a shard, so a node sends what one
+      worker would send for the whole model. ``tx`` sees flat shards (use
+      it for element-wise compressors; leaf shapes are lost).
+    * ``inner_size=None`` (replicated): dense mean over the inner axis, then
+      ``tx`` on the whole gradient on every worker (keeps leaf shapes, e.g.
+      for PowerSGD); every worker of a node sends the same payload over its
+      own slow-axis group.
+
+    Args:
+      tx: the transform for the slow axis (e.g. ``jaxcomm.topk(0.01,
+        axis_name="node")``), or any optax chain containing one.
+      inner_axis: the fast mesh axis name (e.g. ``"local"``).
+      inner_size: number of workers on ``inner_axis`` (sizes the sharded
+        state); ``None`` for the replicated form.
+
+    Returns:
+      An ``optax.GradientTransformation`` returning the mean over both axes
+      of the decoded updates.
+
+    Example:
+      >>> mesh = jax.make_mesh((4, 8), ("node", "local"))
+      >>> tx = jaxcomm.hierarchical(jaxcomm.topk(0.01, axis_name="node"),
+      ...                           inner_axis="local", inner_size=8)
+      >>> jaxcomm.wire_bytes(tx, params, {"node": 4, "local": 8}, axis="node")
+    """
+    if not isinstance(inner_axis, str):
+        raise TypeError(f"inner_axis: expected a mesh axis name (str), got {inner_axis!r}")
+    if inner_size is not None and (
+        isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1
+    ):
+        raise ValueError(f"inner_size: expected an int >= 1 or None, got {inner_size!r}")
+
+    def shard_len(x) -> int:
+        return -(-int(np.size(x)) // inner_size)
+
+    def flat_padded(x, c):
+        x = jnp.reshape(x, (-1,))
+        return jnp.pad(x, (0, inner_size * c - x.shape[0]))
+
+    def init_fn(params):
+        if inner_size is None:
+            return HierarchicalState(tx.init(params))
+        shards = jax.tree.map(lambda p: jnp.zeros((shard_len(p),), jnp.result_type(p)), params)
+        return HierarchicalState(tx.init(shards))
+
+    def update_fn(updates, state, params=None):
+        if not isinstance(state, HierarchicalState):
+            raise TypeError(
+                f"state: expected the HierarchicalState made by this transform's init, got "
+                f"{type(state).__name__}"
+            )
+        if inner_size is None:
+            updates = pmean(updates, inner_axis)
+            out, inner = tx.update(updates, state.inner, params)
+            return out, HierarchicalState(inner)
+        n = axis_size(inner_axis)
+        if n != inner_size:
+            raise ValueError(
+                f"inner_size: the transform was built for {inner_size} workers on "
+                f"{inner_axis!r} but the axis has {n}"
+            )
+
+        def scatter(g):
+            s = psum_scatter(flat_padded(g, shard_len(g)), inner_axis)
+            return s / jnp.asarray(n, s.dtype)
+
+        shards = jax.tree.map(scatter, updates)
+        shard_params = None
+        if params is not None:
+            me = axis_index(inner_axis)
+            shard_params = jax.tree.map(
+                lambda p: lax.dynamic_slice_in_dim(
+                    flat_padded(p, shard_len(p)), me * shard_len(p), shard_len(p)
+                ),
+                params,
+            )
+        out_shards, inner = tx.update(shards, state.inner, shard_params)
+        out = jax.tree.map(
+            lambda o, g: all_gather(o, inner_axis, tiled=True)[: np.size(g)].reshape(jnp.shape(g)),
+            out_shards,
+            updates,
+        )
+        return out, HierarchicalState(inner)
+
+    return optax.GradientTransformation(init_fn, update_fn)

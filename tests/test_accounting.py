@@ -84,8 +84,11 @@ def test_compositions_are_counted():
         {"w": "sparse", "e": "cast", "b": "cast"},
     )
     assert jaxcomm.wire_bytes(part, PARAMS, 8) == 8 * 50 + 2 * 3010
-    every4 = optax.MultiSteps(jaxcomm.allreduce(axis_name="x"), every_k_schedule=4)
+    every4 = jaxcomm.accumulate(jaxcomm.allreduce(axis_name="x"), every=4)
     assert jaxcomm.wire_bytes(every4, PARAMS, 8) == 4 * 8010  # one exchange, when it happens
+    # MultiSteps exchanges on every micro-step (and discards): counted the same per step
+    multi = optax.MultiSteps(jaxcomm.allreduce(axis_name="x"), every_k_schedule=4)
+    assert jaxcomm.wire_bytes(multi, PARAMS, 8) == 4 * 8010
 
 
 def test_traffic_bytes_closed_forms():
