@@ -273,6 +273,7 @@ def compress(
         _check_state(state, updates, error_feedback=error_feedback, needs_key=compressor.needs_key)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         _check_leaves(with_path, "updates")
+        exchange.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
 

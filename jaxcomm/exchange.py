@@ -165,6 +165,12 @@ def _manual(axis_name: AxisName) -> bool:
     return all(a in manual for a in names)
 
 
+def _varying_names(x: Any) -> frozenset:
+    """Mesh axes over which shard_map's type system says ``x`` varies."""
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
+
+
 def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Mark ``x`` as varying over the axis before a collective, under shard_map.
 
@@ -177,12 +183,44 @@ def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     if not _manual(axis_name):
         return x
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    varying = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
+    varying = _varying_names(x)
     missing = tuple(a for a in names if a not in varying)
     if missing:
         x = lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
     return x
+
+
+def check_per_worker(tree: Any, axis_name: AxisName | None, what: str = "updates") -> None:
+    """Raise if, under ``jax.shard_map``, ``tree`` is already identical on every worker.
+
+    Inside ``shard_map`` the gradient of a *replicated* parameter (``in_specs
+    P()``) is summed over the axis by JAX's autodiff itself: it arrives
+    invariant, already all-reduced densely, so compressing it saves nothing
+    and averaging it again would scale it by n. Per-worker gradients come from
+    differentiating per-worker params: ``jax.lax.pcast(params, axis, to="varying")``
+    before ``jax.grad`` (no data moves). Under ``pmap``/``vmap`` there is no
+    such tracking and nothing is checked.
+    """
+    if axis_name is None or _ledger() is not None or not _manual(axis_name):
+        return
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    # pmap and shard_map(check_vma=False) do not track varying values: the
+    # worker index itself is then untyped, and there is nothing to check.
+    if not _varying_names(lax.axis_index(names[0])):
+        return
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        varying = _varying_names(x)
+        missing = [a for a in names if a not in varying]
+        if missing:
+            where = jax.tree_util.keystr(path) or "<root>"
+            raise ValueError(
+                f"{what}: leaf {where} is the same on every worker of axis {missing[0]!r} "
+                f"(invariant under jax.shard_map): these gradients were already summed over "
+                f"the axis by JAX, because they are gradients of replicated params (in_specs "
+                f"P()). Differentiate per-worker params instead: grads = jax.grad(loss)("
+                f"jax.lax.pcast(params, {missing[0]!r}, to='varying'), batch); no data moves "
+                f"and jaxcomm then does the (compressed) exchange."
+            )
 
 
 def psum(tree: Any, axis_name: AxisName) -> Any:
@@ -398,6 +436,7 @@ def hierarchical(
                 f"state: expected the HierarchicalState made by this transform's init, got "
                 f"{type(state).__name__}"
             )
+        check_per_worker(updates, (inner_axis,))
         if inner_size is None:
             updates = pmean(updates, inner_axis)
             out, inner = tx.update(updates, state.inner, params)

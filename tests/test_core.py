@@ -66,6 +66,42 @@ def test_unknown_axis_under_shard_map_raises_clear_error():
         H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
 
 
+def test_gradients_of_replicated_params_are_rejected_under_shard_map():
+    """jax.grad of P() params inside shard_map is already psum'd: compressing it is a bug."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tx = jaxcomm.topk(0.1, axis_name="data", min_size=0)
+    mesh = H.mesh()
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    params = {"w": jnp.ones((4,))}
+    state = jax.device_put(H.stack(tx.init(params)), NamedSharding(mesh, P("data")))
+
+    def step(params, state, x, per_worker):
+        state = jax.tree.map(lambda a: a[0], state)
+        p = jax.lax.pcast(params, "data", to="varying") if per_worker else params
+        grads = jax.grad(lambda p: jnp.sum(x @ p["w"]))(p)
+        u, _ = tx.update(grads, state)
+        return u
+
+    for per_worker in (False, True):
+        fn = jax.jit(
+            jax.shard_map(
+                lambda p, s, x, pw=per_worker: step(p, s, x, pw),
+                mesh=mesh,
+                in_specs=(P(), P("data"), P("data")),
+                out_specs=P(),
+            )
+        )
+        if not per_worker:
+            with pytest.raises(ValueError, match=r"updates: leaf \['w'\].*already summed"):
+                fn(params, state, x)
+        else:
+            u = fn(params, state, x)
+            # mean over workers of d/dw sum(x_i @ w) = column sums of x_i = 1 each; top-k 1
+            np.testing.assert_allclose(np.sort(np.asarray(u["w"])), [0, 0, 0, 1.0])
+
+
 def test_integer_leaves_raise_type_error_naming_the_leaf():
     tx = jaxcomm.topk(0.1)
     params = {"w": jnp.zeros((16,)), "step": jnp.zeros((), jnp.int32)}

@@ -275,8 +275,10 @@ class Threshold(_Sparse):
     The vector is cut into ``m = ceil(d / B)`` blocks of ``B = ceil(d / k)``
     entries (``m <= k`` payload slots: the static cap). In each block the
     entry of largest magnitude is found with one integer max-reduction over
-    the magnitudes' bit patterns (see :func:`_block_argmax`). If ``sample_ratio`` is set, a threshold
-    is estimated as the top-``ratio`` magnitude of a strided sample of |p|
+    the magnitudes' bit patterns (see :func:`_block_argmax`). If
+    ``sample_ratio`` is set, a threshold is estimated (exactly, without a
+    sort: :func:`_kth_largest`) as the top-``ratio`` magnitude of a strided
+    sample of |p|
     (every ``round(1/sample_ratio)``-th entry) and a block's entry is sent only
     if it reaches the threshold (its slot carries value 0 otherwise). Entries
     above the threshold beyond one per block stay in the residual.
