@@ -54,6 +54,16 @@ CASES: dict[str, Callable[[float], object]] = {
     "randomk_stratified": lambda r: jaxcomm.randomk(
         r, key=jax.random.key(0), axis_name=AXIS, sampling="stratified"
     ),
+    "int8": lambda r: jaxcomm.int8(key=jax.random.key(0), axis_name=AXIS),
+    "qsgd16": lambda r: jaxcomm.qsgd(16, key=jax.random.key(0), axis_name=AXIS),
+    "terngrad": lambda r: jaxcomm.terngrad(key=jax.random.key(0), axis_name=AXIS),
+    "terngrad_gather": lambda r: jaxcomm.terngrad(
+        key=jax.random.key(0), axis_name=AXIS, share_scale=False
+    ),
+    "onebit": lambda r: jaxcomm.onebit(axis_name=AXIS),
+    "ef_sign": lambda r: jaxcomm.ef_sign(axis_name=AXIS),
+    "sign_majority": lambda r: jaxcomm.sign_majority(axis_name=AXIS),
+    "twobit": lambda r: jaxcomm.twobit(axis_name=AXIS),
 }
 
 FLAGS = flags.FLAGS

@@ -1,17 +1,14 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting
-from jaxcomm import core
-from jaxcomm import exchange
+from jaxcomm import accounting, core, exchange, netsim, sync
 from jaxcomm.accounting import wire_bytes
-from jaxcomm.compressors.dense import allreduce
-from jaxcomm.compressors.dense import cast
-from jaxcomm.compressors.sparse import randomk
-from jaxcomm.compressors.sparse import threshold
-from jaxcomm.compressors.sparse import topk
-from jaxcomm.core import CompressState
-from jaxcomm.core import Compressor
-from jaxcomm.core import compress
+from jaxcomm.compressors.dense import allreduce, cast
+from jaxcomm.compressors.quantize import int8, qsgd, terngrad
+from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
+from jaxcomm.compressors.sparse import randomk, threshold, topk
+from jaxcomm.core import Compressor, CompressState, compress
+from jaxcomm.exchange import hierarchical, ring_allreduce
+from jaxcomm.sync import accumulate, delayed_averaging, diloco, local_sgd, stale
 
 __version__ = "0.1.0"
 
@@ -19,13 +16,29 @@ __all__ = [
     "CompressState",
     "Compressor",
     "accounting",
+    "accumulate",
     "allreduce",
     "cast",
     "compress",
     "core",
+    "delayed_averaging",
+    "diloco",
+    "ef_sign",
     "exchange",
+    "hierarchical",
+    "int8",
+    "local_sgd",
+    "netsim",
+    "onebit",
+    "qsgd",
     "randomk",
+    "ring_allreduce",
+    "sign_majority",
+    "stale",
+    "sync",
+    "terngrad",
     "threshold",
     "topk",
+    "twobit",
     "wire_bytes",
 ]
