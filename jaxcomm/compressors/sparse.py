@@ -260,12 +260,18 @@ def _kth_largest(a: jax.Array, k: int) -> jax.Array:
     gradient copies of 4M; 32 counting passes over 40K cost ~0.3).
     """
     bits = lax.bitcast_convert_type(a, jnp.uint32)
-    # invariant: count(bits >= lo) >= k > count(bits >= hi); 32 static rounds.
-    lo, hi = jnp.uint32(0), jnp.uint32(0xFFFFFFFF)
-    for _ in range(32):
+
+    def halve(_, lohi):
+        lo, hi = lohi  # invariant: count(bits >= lo) >= k > count(bits >= hi)
         mid = lo + (hi - lo) // 2
         enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
-        lo, hi = jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    # A loop, not 32 unrolled rounds: unrolled, XLA:CPU's fusion under vmap
+    # took minutes to compile. The carry starts from the data so that it has
+    # the data's shard_map type (varying or not).
+    zero = bits[0] & jnp.uint32(0)
+    lo, _ = lax.fori_loop(0, 32, halve, (zero, zero | jnp.uint32(0xFFFFFFFF)))
     return lax.bitcast_convert_type(lo, jnp.float32)
 
 
