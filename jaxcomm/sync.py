@@ -453,6 +453,7 @@ def local_sgd(
     def update_fn(updates, state, params=None):
         _require_params(params, "local_sgd")
         _check_state(state, LocalSGDState, "local_sgd")
+        exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, comp_state, syncs):
@@ -562,6 +563,7 @@ def diloco(
     def update_fn(updates, state, params=None):
         _require_params(params, "diloco")
         _check_state(state, DiLoCoState, "diloco")
+        exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, outer_state, comp_state, syncs):
@@ -659,6 +661,7 @@ def delayed_averaging(
 
     def update_fn(updates, state, params=None):
         _check_state(state, DelayedAveragingState, "delayed_averaging")
+        exchange.check_per_worker(updates, axis_name)
         mean = updates if axis_name is None else exchange.pmean(updates, axis_name)
         queue, head = state.queue, state.head
         if delay == 0:
