@@ -14,6 +14,10 @@ Command (about 6 minutes on 2 CPU cores):
   python -m experiments.bench_compressors --out bench_out/compressors.json
 Quick check:
   python -m experiments.bench_compressors --sizes 100000 --reps 3
+Model-shaped trees (shapes only, random values), e.g.:
+  python -m experiments.bench_compressors --tree resnet18 --reps 3 \
+      --cases allreduce,cast_bf16,threshold,dgc,powersgd_r2,powersgd_r2_batched
+  python -m experiments.bench_compressors --tree gpt2 --gpt2_layers 2 --reps 3
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     )
 
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -64,7 +69,23 @@ CASES: dict[str, Callable[[float], object]] = {
     "ef_sign": lambda r: jaxcomm.ef_sign(axis_name=AXIS),
     "sign_majority": lambda r: jaxcomm.sign_majority(axis_name=AXIS),
     "twobit": lambda r: jaxcomm.twobit(axis_name=AXIS),
+    "dgc": lambda r: jaxcomm.dgc(r, axis_name=AXIS),
+    "powersgd_r1": lambda r: jaxcomm.powersgd(1, key=jax.random.key(0), axis_name=AXIS),
+    "powersgd_r2": lambda r: jaxcomm.powersgd(2, key=jax.random.key(0), axis_name=AXIS),
+    "powersgd_r4": lambda r: jaxcomm.powersgd(4, key=jax.random.key(0), axis_name=AXIS),
+    "powersgd_r1_batched": lambda r: jaxcomm.powersgd(
+        1, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
+    ),
+    "powersgd_r2_batched": lambda r: jaxcomm.powersgd(
+        2, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
+    ),
+    "powersgd_r4_batched": lambda r: jaxcomm.powersgd(
+        4, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
+    ),
 }
+# Cases that need matrix-shaped leaves: with --sizes their gradient is a near-square
+# (a, d/a) matrix instead of a vector (a 1-D leaf would go dense).
+MATRIX_CASES = {name for name in CASES if name.startswith("powersgd")}
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("sizes", ["100000", "1000000", "4000000", "10000000"], "entries per device")
@@ -72,6 +93,14 @@ flags.DEFINE_float("ratio", 0.001, "sparsification ratio for sparsifiers")
 flags.DEFINE_list("cases", list(CASES), "which compressors to run")
 flags.DEFINE_integer("reps", 5, "timed repetitions (median is reported)")
 flags.DEFINE_string("out", "bench_out/compressors.json", "JSON output path")
+flags.DEFINE_enum(
+    "tree",
+    None,
+    ["resnet18", "gpt2"],
+    "benchmark on a parameter tree shaped like ResNet-18 (ImageNet, torch layout) or a "
+    "GPT-2-small block stack instead of --sizes",
+)
+flags.DEFINE_integer("gpt2_layers", 12, "blocks in the --tree gpt2 stack (7.1M params each)")
 
 
 def _median_time(fn: Callable[[], object], reps: int) -> float:
@@ -90,6 +119,9 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     sh = NamedSharding(mesh, P(AXIS))
     grads = jax.device_put({"g": jax.random.normal(jax.random.key(1), (n, d), jnp.float32)}, sh)
     params = {"g": jax.ShapeDtypeStruct((d,), jnp.float32)}
+    shape = _matrix_shape(d)
+    grads_m = jax.device_put({"g": grads["g"].reshape((n,) + shape)}, sh)
+    params_m = {"g": jax.ShapeDtypeStruct(shape, jnp.float32)}
 
     copy = jax.jit(jax.shard_map(lambda x: x * 2.0, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
     t_copy = _median_time(lambda: copy(grads["g"]), reps)
@@ -99,10 +131,11 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     rows = []
     for name in names:
         tx = CASES[name](ratio)
+        g_in, p_in = (grads_m, params_m) if name in MATRIX_CASES else (grads, params)
         state = jax.device_put(
             jax.tree.map(
                 lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
-                tx.init({"g": jnp.zeros((d,), jnp.float32)}),
+                tx.init(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), p_in)),
             ),
             sh,
         )
@@ -114,8 +147,8 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
         step = jax.jit(
             jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
         )
-        t = _median_time(lambda step=step, state=state: step(grads, state), reps)
-        report = jaxcomm.accounting.wire_report(tx, params, n)
+        t = _median_time(lambda step=step, state=state, g=g_in: step(g, state), reps)
+        report = jaxcomm.accounting.wire_report(tx, p_in, n)
         payload = sum(c.nbytes for c in report)
         traffic = jaxcomm.accounting.traffic_bytes(report, n)
         rows.append(
@@ -138,16 +171,155 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     return rows
 
 
+def _matrix_shape(d: int) -> tuple[int, int]:
+    """(a, d // a) with a the largest divisor of d not above sqrt(d)."""
+    a = max(x for x in range(1, math.isqrt(d) + 1) if d % x == 0)
+    return a, d // a
+
+
+def resnet18_shapes() -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of torchvision's ResNet-18 (ImageNet): 11.69M, torch layout.
+
+    Conv kernels are ``(out, in, kh, kw)`` and the classifier ``(1000, 512)``,
+    so PowerSGD's ``(shape[0], rest)`` view is torch's. Batch-norm scale and
+    bias are included (running statistics are not parameters).
+    """
+    shapes: dict[str, tuple[int, ...]] = {"conv1": (64, 3, 7, 7), "bn1.w": (64,), "bn1.b": (64,)}
+    c_in = 64
+    for stage, c in enumerate((64, 128, 256, 512), start=1):
+        for block in range(2):
+            p = f"layer{stage}.{block}"
+            first_in = c_in if block == 0 else c
+            shapes[f"{p}.conv1"] = (c, first_in, 3, 3)
+            shapes[f"{p}.conv2"] = (c, c, 3, 3)
+            for bn in ("bn1", "bn2"):
+                shapes[f"{p}.{bn}.w"] = shapes[f"{p}.{bn}.b"] = (c,)
+            if block == 0 and first_in != c:
+                shapes[f"{p}.downsample.conv"] = (c, first_in, 1, 1)
+                shapes[f"{p}.downsample.bn.w"] = shapes[f"{p}.downsample.bn.b"] = (c,)
+        c_in = c
+    shapes["fc.w"], shapes["fc.b"] = (1000, 512), (1000,)
+    return shapes
+
+
+def gpt2_shapes(layers: int = 12) -> dict[str, tuple[int, ...]]:
+    """A GPT-2-small block stack (d=768, MLP 3072): 7.09M per block, 85.1M for 12.
+
+    Weights in Hugging Face's Conv1D layout ``(in, out)``; token and position
+    embeddings (39.4M, usually updated sparsely or tied) are left out.
+    """
+    d, h = 768, 3072
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        p = f"h{i:02d}"
+        shapes.update(
+            {
+                f"{p}.ln_1.w": (d,), f"{p}.ln_1.b": (d,),
+                f"{p}.attn.c_attn.w": (d, 3 * d), f"{p}.attn.c_attn.b": (3 * d,),
+                f"{p}.attn.c_proj.w": (d, d), f"{p}.attn.c_proj.b": (d,),
+                f"{p}.ln_2.w": (d,), f"{p}.ln_2.b": (d,),
+                f"{p}.mlp.c_fc.w": (d, h), f"{p}.mlp.c_fc.b": (h,),
+                f"{p}.mlp.c_proj.w": (h, d), f"{p}.mlp.c_proj.b": (d,),
+            }
+        )  # fmt: skip
+    return shapes
+
+
+def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dict]:
+    """Each case on a model-shaped tree of random gradients: time / copy, bytes / dense.
+
+    Bytes are the payload a worker contributes (``wire_bytes``), divided by a
+    dense fp32 all-reduce payload (4 bytes a parameter) and by a bf16 one (2
+    bytes; what mixed-precision training usually all-reduces), and the traffic
+    with bandwidth-optimal collectives divided by a dense fp32 ring's.
+    """
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), (AXIS,))
+    sh = NamedSharding(mesh, P(AXIS))
+    shapes = resnet18_shapes() if tree == "resnet18" else gpt2_shapes(FLAGS.gpt2_layers)
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    size = sum(math.prod(s) for s in shapes.values())
+    keys = jax.random.split(jax.random.key(1), len(shapes))
+    grads = jax.device_put(
+        {
+            k: jax.random.normal(kk, (n,) + s, jnp.float32)
+            for kk, (k, s) in zip(keys, shapes.items())
+        },
+        sh,
+    )
+    copy = jax.jit(
+        jax.shard_map(
+            lambda t: jax.tree.map(lambda x: x * 2.0, t),
+            mesh=mesh,
+            in_specs=P(AXIS),
+            out_specs=P(AXIS),
+        )
+    )
+    t_copy = _median_time(lambda: copy(grads), reps)
+    dense32, dense16 = 4 * size, 2 * size
+    print(f"{tree}: {len(shapes)} leaves, {size / 1e6:.2f}M params, copy {t_copy * 1e3:.1f} ms")
+    print(
+        f"{'compressor':<22} {'t/copy':>8}  {'/fp32':>9}  {'/bf16':>9}  {'traffic/fp32 ring':>18}"
+    )
+    rows = []
+    for name in names:
+        tx = CASES[name](ratio)
+        state = jax.device_put(
+            jax.tree.map(
+                lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
+                tx.init(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)),
+            ),
+            sh,
+        )
+
+        def f(g, s, tx=tx):
+            u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
+            return u, jax.tree.map(lambda a: a[None], s)
+
+        step = jax.jit(
+            jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
+        )
+        t = _median_time(lambda step=step, state=state: step(grads, state), reps)
+        del state
+        report = jaxcomm.accounting.wire_report(tx, params, n)
+        payload = sum(c.nbytes for c in report)
+        traffic = jaxcomm.accounting.traffic_bytes(report, n)
+        ring = 2 * (n - 1) / n * dense32
+        rows.append(
+            {
+                "tree": tree,
+                "params": size,
+                "compressor": name,
+                "n_workers": n,
+                "ratio": ratio,
+                "time_over_copy": t / t_copy,
+                "payload_over_dense_fp32": payload / dense32,
+                "payload_over_dense_bf16": payload / dense16,
+                "traffic_over_dense_ring": traffic / ring,
+                "wire_bytes": payload,
+            }
+        )
+        print(
+            f"{name:<22} {t / t_copy:>7.2f}x  {payload / dense32:>9.5f}  {payload / dense16:>9.5f}"
+            f"  {traffic / ring:>18.5f}",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv):
     del argv
     unknown = sorted(set(FLAGS.cases) - set(CASES))
     if unknown:
         raise app.UsageError(f"--cases: unknown {unknown}; choose from {sorted(CASES)}")
     print(f"{jax.device_count()} devices ({jax.devices()[0].platform}), ratio {FLAGS.ratio}")
-    print(f"{'d':>10}  {'compressor':<20} {'t/copy':>9}  {'payload/d':>10}  {'traffic/d':>10}")
     rows = []
-    for d in (int(float(s)) for s in FLAGS.sizes):
-        rows += bench_size(d, FLAGS.cases, FLAGS.ratio, FLAGS.reps)
+    if FLAGS.tree:
+        rows += bench_tree(FLAGS.tree, FLAGS.cases, FLAGS.ratio, FLAGS.reps)
+    else:
+        print(f"{'d':>10}  {'compressor':<20} {'t/copy':>9}  {'payload/d':>10}  {'traffic/d':>10}")
+        for d in (int(float(s)) for s in FLAGS.sizes):
+            rows += bench_size(d, FLAGS.cases, FLAGS.ratio, FLAGS.reps)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump({"platform": jax.devices()[0].platform, "rows": rows}, f, indent=1)

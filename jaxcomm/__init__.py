@@ -3,6 +3,8 @@
 from jaxcomm import accounting, core, exchange, netsim, sync
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
+from jaxcomm.compressors.dgc import dgc, dgc_sgd
+from jaxcomm.compressors.powersgd import powersgd
 from jaxcomm.compressors.quantize import int8, qsgd, terngrad
 from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
@@ -22,6 +24,8 @@ __all__ = [
     "compress",
     "core",
     "delayed_averaging",
+    "dgc",
+    "dgc_sgd",
     "diloco",
     "ef_sign",
     "exchange",
@@ -30,6 +34,7 @@ __all__ = [
     "local_sgd",
     "netsim",
     "onebit",
+    "powersgd",
     "qsgd",
     "randomk",
     "ring_allreduce",

@@ -54,6 +54,21 @@ REGISTRY = {
     "ef_sign": lambda ax: jaxcomm.ef_sign(axis_name=ax, min_size=64),
     "sign_majority": lambda ax: jaxcomm.sign_majority(axis_name=ax, min_size=64),
     "twobit": lambda ax: jaxcomm.twobit(0.5, axis_name=ax, min_size=64),
+    "dgc": lambda ax: jaxcomm.dgc(0.05, axis_name=ax, min_size=64),
+    "dgc:warmup_nesterov_clip": lambda ax: jaxcomm.dgc(
+        0.05, axis_name=ax, min_size=64, warmup_steps=8, nesterov=True, clip_norm=1.0
+    ),
+    "dgc:no_correction": lambda ax: jaxcomm.dgc(
+        0.05, axis_name=ax, min_size=64, momentum=0.0, momentum_correction=False
+    ),
+    "dgc_sgd": lambda ax: jaxcomm.dgc_sgd(0.1, 0.05, axis_name=ax, min_size=64),
+    "powersgd": lambda ax: jaxcomm.powersgd(2, key=KEY, axis_name=ax),
+    "powersgd:rank4_batched_start1": lambda ax: jaxcomm.powersgd(
+        4, key=KEY, axis_name=ax, batch_same_shape=True, start_iter=1, min_compression_rate=1
+    ),
+    "powersgd:rank1_no_warm_start_no_ef": lambda ax: jaxcomm.powersgd(
+        1, key=KEY, axis_name=ax, warm_start=False, error_feedback=False
+    ),
 }
 # sync wrappers around an inner optimizer (trivial settings: they must still pass every test)
 REGISTRY.update(
