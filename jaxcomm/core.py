@@ -130,6 +130,43 @@ def check_ratio(ratio: Any, name: str = "ratio") -> float:
     return ratio
 
 
+def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
+    """Validate an int argument in ``[lo, hi]`` (TypeError / ValueError naming it)."""
+    allowed = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}: expected {allowed}, got {value}")
+    return value
+
+
+def check_positive(value: Any, name: str) -> float:
+    """Validate a finite float argument > 0 (TypeError / ValueError naming it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}: expected a float > 0, got {value!r}")
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
+    return value
+
+
+def check_residual(residual: Any, updates: Any, name: str = "state.residual") -> None:
+    """The residual tree must match the updates leaf for leaf (structure and shapes)."""
+    s_res, s_upd = jax.tree.structure(residual), jax.tree.structure(updates)
+    if s_res != s_upd:
+        raise ValueError(
+            f"{name}: its tree structure {s_res} does not match the updates' "
+            f"{s_upd}; was the state initialised with other params?"
+        )
+    for r, u in zip(jax.tree.leaves(residual), jax.tree.leaves(updates)):
+        if jnp.shape(r) != jnp.shape(u):
+            raise ValueError(
+                f"{name}: leaf shape {jnp.shape(r)} does not match the update's "
+                f"{jnp.shape(u)}; was the state initialised with other params?"
+            )
+
+
 def num_kept(ratio: float, d: int) -> int:
     """Entries a sparsifier keeps of ``d``: ``max(1, ceil(ratio * d))``, at most d."""
     return min(d, max(1, math.ceil(ratio * d - 1e-9)))
@@ -182,18 +219,7 @@ def _check_state(state: Any, updates: Any, *, error_feedback: bool, needs_key: b
                 "state: this transform uses error feedback but state.residual is None; the "
                 "state comes from a transform built with error_feedback=False."
             )
-        s_res, s_upd = jax.tree.structure(state.residual), jax.tree.structure(updates)
-        if s_res != s_upd:
-            raise ValueError(
-                f"state.residual: its tree structure {s_res} does not match the updates' "
-                f"{s_upd}; was the state initialised with other params?"
-            )
-        for r, u in zip(jax.tree.leaves(state.residual), jax.tree.leaves(updates)):
-            if jnp.shape(r) != jnp.shape(u):
-                raise ValueError(
-                    f"state.residual: leaf shape {jnp.shape(r)} does not match the update's "
-                    f"{jnp.shape(u)}; was the state initialised with other params?"
-                )
+        check_residual(state.residual, updates)
 
 
 def _exchange_and_decode(

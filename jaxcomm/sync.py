@@ -165,12 +165,6 @@ class StaleState(NamedTuple):
 # --- helpers ------------------------------------------------------------------------
 
 
-def _check_int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    return int(value)
-
-
 def _check_tx(tx: Any, name: str) -> optax.GradientTransformation:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
@@ -330,7 +324,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
       emulates).
     """
     inner = _check_tx(inner, "inner")
-    every = _check_int(every, "every", 1)
+    every = core.check_int(every, "every", 1)
 
     def init_fn(params):
         return AccumulateState(
@@ -433,8 +427,8 @@ def local_sgd(
       SGD", ICLR 2020, arXiv:1808.07217 (post-local SGD).
     """
     inner = _check_tx(inner, "inner")
-    every = _check_int(every, "every", 1)
-    warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
+    every = core.check_int(every, "every", 1)
+    warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
     axis_name = exchange.check_axis_name(axis_name)
     comp = _compressor(compressor, axis_name)
 
@@ -542,7 +536,7 @@ def diloco(
     """
     inner = _check_tx(inner, "inner")
     outer = _check_tx(outer, "outer")
-    every = _check_int(every, "every", 1)
+    every = core.check_int(every, "every", 1)
     axis_name = exchange.check_axis_name(axis_name)
     comp = _compressor(compressor, axis_name)
 
@@ -648,7 +642,7 @@ def delayed_averaging(
       openreview.net/forum?id=ACFHNxVNvfk.
     """
     inner = _check_tx(inner, "inner")
-    delay = _check_int(delay, "delay", 0)
+    delay = core.check_int(delay, "delay", 0)
     axis_name = exchange.check_axis_name(axis_name)
 
     def init_fn(params):
@@ -710,7 +704,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
       arXiv:1506.08272.
     """
     inner = _check_tx(inner, "inner")
-    staleness = _check_int(staleness, "staleness", 0)
+    staleness = core.check_int(staleness, "staleness", 0)
 
     def init_fn(params):
         return StaleState(

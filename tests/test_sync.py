@@ -213,12 +213,18 @@ def assert_close(got, want, rtol=1e-5, atol=1e-5):
 
 def test_bad_arguments_raise_value_errors_naming_the_argument():
     sgd = optax.sgd(0.1)
-    for bad in (0, -1, 2.5, True, None):
-        with pytest.raises(ValueError, match=r"every: expected an int >= 1"):
+    for bad, err in (
+        (0, ValueError),
+        (-1, ValueError),
+        (2.5, TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ):
+        with pytest.raises(err, match=r"every: expected an int >= 1"):
             local_sgd(sgd, every=bad, axis_name=AX)
-        with pytest.raises(ValueError, match=r"every: expected an int >= 1"):
+        with pytest.raises(err, match=r"every: expected an int >= 1"):
             diloco(sgd, every=bad, axis_name=AX)
-        with pytest.raises(ValueError, match=r"every: expected an int >= 1"):
+        with pytest.raises(err, match=r"every: expected an int >= 1"):
             accumulate(sgd, every=bad)
     with pytest.raises(ValueError, match=r"warmup_steps: expected an int >= 0"):
         local_sgd(sgd, every=2, axis_name=AX, warmup_steps=-1)

@@ -72,14 +72,6 @@ class DGCState(NamedTuple):
 # --- validation ---------------------------------------------------------------------
 
 
-def _check_int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
-    return int(value)
-
-
 def _check_momentum(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"momentum: expected a float in [0, 1), got {value!r}")
@@ -169,8 +161,8 @@ def dgc_density_schedule(
 
 def _check_schedule(ratio, warmup_steps, warmup_epochs, warmup_ratios):
     ratio = core.check_ratio(ratio)
-    warmup_steps = _check_int(warmup_steps, "warmup_steps", 0)
-    warmup_epochs = _check_int(warmup_epochs, "warmup_epochs", 1)
+    warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
+    warmup_epochs = core.check_int(warmup_epochs, "warmup_epochs", 1)
     if warmup_ratios is not None:
         warmup_ratios = tuple(warmup_ratios)
         if len(warmup_ratios) != warmup_epochs:
@@ -388,7 +380,7 @@ def dgc(
     m = _check_momentum(momentum)
     clip = _check_clip(clip_norm)
     sample_ratio = core.check_ratio(sample_ratio, "sample_ratio")
-    min_size = _check_int(min_size, "min_size", 0)
+    min_size = core.check_int(min_size, "min_size", 0)
     if not momentum_correction and m != 0.0:
         raise ValueError(
             f"momentum: with momentum_correction=False DGC only accumulates gradients and "

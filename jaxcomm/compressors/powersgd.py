@@ -112,14 +112,6 @@ def orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
     return jnp.stack(cols, axis=-1)
 
 
-def _check_int(value: Any, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int >= {low}, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value}")
-    return int(value)
-
-
 def _check_float(value: Any, name: str, *, low: float, strict: bool) -> float:
     rel = ">" if strict else ">="
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -146,18 +138,7 @@ def _check_state(state: Any, updates: Any, *, error_feedback: bool, warm_start: 
             raise ValueError(
                 "state: state.residual is None; it comes from a powersgd with error_feedback=False"
             )
-        s_res, s_upd = jax.tree.structure(state.residual), jax.tree.structure(updates)
-        if s_res != s_upd:
-            raise ValueError(
-                f"state.residual: its tree structure {s_res} does not match the updates' "
-                f"{s_upd}; was the state initialised with other params?"
-            )
-        for r, u in zip(jax.tree.leaves(state.residual), jax.tree.leaves(updates)):
-            if jnp.shape(r) != jnp.shape(u):
-                raise ValueError(
-                    f"state.residual: leaf shape {jnp.shape(r)} does not match the update's "
-                    f"{jnp.shape(u)}; was the state initialised with other params?"
-                )
+        core.check_residual(state.residual, updates)
 
 
 def _fresh_q(key: jax.Array, plan: list[_Leaf | None]) -> tuple[jax.Array, ...]:
@@ -265,8 +246,8 @@ def powersgd(
       powerSGD_hook``.
     """
     axis_name = exchange.check_axis_name(axis_name)
-    rank = _check_int(rank, "rank", 1)
-    start_iter = _check_int(start_iter, "start_iter", 0)
+    rank = core.check_int(rank, "rank", 1)
+    start_iter = core.check_int(start_iter, "start_iter", 0)
     min_rate = _check_float(min_compression_rate, "min_compression_rate", low=0.0, strict=True)
     eps = _check_float(
         orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0, strict=False

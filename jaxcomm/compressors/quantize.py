@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -27,25 +26,8 @@ from jaxcomm.exchange import AxisName
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
 
 
-def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """Validate an int argument in ``[lo, hi]`` (TypeError / ValueError naming it)."""
-    allowed = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name}: expected {allowed}, got {value}")
-    return value
-
-
-def check_positive(value: Any, name: str) -> float:
-    """Validate a finite float argument > 0 (TypeError / ValueError naming it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a float > 0, got {value!r}")
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
-    return value
+check_int = core.check_int
+check_positive = core.check_positive
 
 
 def require_key(key: Any, why: str) -> None:
