@@ -140,3 +140,66 @@ def train(
         np.mean([loss_fn(p0, split.x_train[w], split.y_train[w]) for w in range(n_workers)])
     )
     return Result(accuracy(p0, split.x_test, split.y_test), train_loss, params, opt_state)
+
+
+class Curve(NamedTuple):
+    steps: list[int]  # step after each chunk
+    accuracy: list[float]  # test accuracy of worker 0's params at those steps
+    result: Result
+
+
+def train_curve(
+    tx: optax.GradientTransformation,
+    *,
+    steps: int,
+    eval_every: int,
+    model: str = "logreg",
+    hidden: int = 64,
+    n_workers: int = 8,
+    seed: int = 0,
+    split: Split | None = None,
+) -> Curve:
+    """As :func:`train`, but evaluated every ``eval_every`` steps (one compiled call per chunk).
+
+    The chunk is a ``fori_loop`` of ``eval_every`` steps in one jitted
+    ``shard_map``, compiled once; state is carried between calls, so the
+    final state matches :func:`train`'s run of the same length.
+    """
+    if steps % eval_every:
+        raise ValueError(f"steps: {steps} must be a multiple of eval_every={eval_every}")
+    split = split or load(n_workers, seed=seed)
+    mesh = jax.make_mesh((n_workers,), (AXIS,), devices=jax.devices()[:n_workers])
+    params = init_params(model, jax.random.key(seed), hidden=hidden)
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n_workers,) + a.shape), t)
+
+    def run(state, x, y):
+        params, opt_state = jax.tree.map(lambda a: a[0], state)
+        x, y = x[0], y[0]
+
+        def step(_, carry):
+            params, opt_state = carry
+            grads = jax.grad(loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.fori_loop(0, eval_every, step, (params, opt_state))
+        return jax.tree.map(lambda a: a[None], (params, opt_state))
+
+    sh = NamedSharding(mesh, P(AXIS))
+    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    state, x, y = jax.device_put(
+        ((stack(params), stack(tx.init(params))), split.x_train, split.y_train), sh
+    )
+    done, accs = [], []
+    for i in range(steps // eval_every):
+        state = jax.block_until_ready(fn(state, x, y))
+        p0 = jax.tree.map(lambda a: np.asarray(a)[0], state[0])
+        done.append((i + 1) * eval_every)
+        accs.append(accuracy(p0, split.x_test, split.y_test))
+    params, opt_state = jax.device_get(state)
+    p0 = jax.tree.map(lambda a: a[0], params)
+    train_loss = float(
+        np.mean([loss_fn(p0, split.x_train[w], split.y_train[w]) for w in range(n_workers)])
+    )
+    res = Result(accs[-1], train_loss, params, opt_state)
+    return Curve(done, accs, res)

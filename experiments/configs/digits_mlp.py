@@ -1,0 +1,59 @@
+r"""MLP on scikit-learn's digits, 8 workers, top-k 1% + error feedback (default config).
+
+Command:
+  python -m experiments.main --config experiments/configs/digits_mlp.py --workdir /tmp/digits_mlp
+Variants (``:NAME`` after the file): dense, bf16, topk (default), threshold, dgc, powersgd,
+ef_sign, qsgd, local_sgd, diloco, accumulate, policy. E.g.
+  python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
+
+Runtime here (2 CPU cores, 8 fake devices): about 10 s (400 steps, ~150 steps/s
+after a ~4 s compile).
+Expected result: test accuracy 95.3% at step 400 (topk), 0.31 MB sent per worker,
+0.23 s simulated communication at 10 Gbps.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from experiments.configs import common
+
+VARIANTS: dict[str, dict] = {
+    "dense": {"compressor": ("allreduce", {})},
+    "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0})},
+    "topk": {"compressor": ("topk", {"ratio": 0.01, "min_size": 0})},
+    "threshold": {"compressor": ("threshold", {"ratio": 0.01, "min_size": 0})},
+    "dgc": {"compressor": ("dgc_sgd", {"ratio": 0.01, "min_size": 0, "warmup_steps": 50})},
+    "powersgd": {"compressor": ("powersgd", {"rank": 2})},
+    "ef_sign": {"compressor": ("ef_sign", {"min_size": 0})},
+    "qsgd": {"compressor": ("qsgd", {"levels": 16, "min_size": 0})},
+    "local_sgd": {"compressor": ("allreduce", {}), "wrapper": ("local_sgd", 8)},
+    "diloco": {"compressor": ("allreduce", {}), "wrapper": ("diloco", 8)},
+    "accumulate": {
+        "compressor": ("topk", {"ratio": 0.01, "min_size": 0}),
+        "wrapper": ("accumulate", 2),
+    },
+    "policy": {"compressor": ("topk", {"ratio": 0.01, "min_size": 0}), "policy": "matrices"},
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    variant = arg or "topk"
+    if variant not in VARIANTS:
+        raise ValueError(f"digits_mlp variant: unknown {variant!r}; choose from {list(VARIANTS)}")
+    c = common.base()
+    c.model.name = "mlp"
+    c.model.kwargs = {"hidden": 128, "depth": 1}
+    c.data.name = "digits"
+    c.data.batch_size = 32
+    c.optimizer.learning_rate = 0.1
+    v = VARIANTS[variant]
+    c.compressor.name, c.compressor.kwargs = v["compressor"][0], dict(v["compressor"][1])
+    if "wrapper" in v:
+        c.wrapper.name, c.wrapper.every = v["wrapper"]
+    c.policy = v.get("policy", "none")
+    c.num_train_steps = 400
+    c.steps_per_call = 50
+    c.eval_every = 50
+    c.checkpoint_every = 200
+    return c

@@ -1,0 +1,37 @@
+"""Launcher: ``python -m experiments.main --config CONFIG_FILE --workdir DIR``.
+
+Flags only; everything else is in the config file (see ``experiments/configs``).
+Override any value on the command line, e.g. ``--config.num_train_steps=100``.
+Without real accelerators, 8 fake CPU devices are used (set ``XLA_FLAGS``
+yourself to choose another count).
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import train
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
+flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, metrics.png; resumes if present")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,458 @@
+"""Data-parallel training with a jaxcomm optimizer: ``train_and_evaluate(config, workdir)``.
+
+The training step runs under ``jax.shard_map`` over a ``("data",)`` mesh of
+``config.n_workers`` devices (0: all of them; 8 fake CPU devices here). Every
+piece of state (params, BatchNorm statistics, optimizer state with compressor
+residuals / PowerSGD Q / keys / counters, the step counter) carries a leading
+worker axis sharded over ``"data"``, so local SGD / DiLoCo workers can drift
+and error-feedback residuals stay per worker. ``config.steps_per_call``
+micro-steps run inside one jitted ``lax.scan`` with donated state; each worker
+draws its batch on device from ``(seed, worker, step)``, so there is no host
+sync inside the step. Between calls: eval (worker 0's params), JSONL metrics,
+orbax checkpoints, a tqdm bar. A ``workdir`` holding a checkpoint resumes from
+it, bit for bit.
+
+Components are picked by name: ``config.model.name`` (:data:`models.MODELS`),
+``config.data.name`` (:data:`data.DATASETS`), ``config.compressor.name`` (a
+``jaxcomm`` factory, called as ``getattr(jaxcomm, name)(**kwargs,
+axis_name="data")``), ``config.optimizer.name`` (an optax optimizer),
+``config.policy`` and ``config.wrapper.name`` (how they are composed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from experiments import data as data_lib
+from experiments import models
+from jaxcomm import netsim
+
+AXIS = "data"
+# Every jaxcomm factory that returns a GradientTransformation taking the gradient.
+COMPRESSORS = (
+    "allreduce",
+    "cast",
+    "topk",
+    "randomk",
+    "threshold",
+    "int8",
+    "qsgd",
+    "terngrad",
+    "onebit",
+    "ef_sign",
+    "sign_majority",
+    "twobit",
+    "dgc",
+    "dgc_sgd",
+    "powersgd",
+)
+OPTIMIZERS = ("sgd", "adam", "adamw")
+WRAPPERS = ("none", "accumulate", "local_sgd", "diloco")
+POLICIES = ("none", "matrices")
+
+
+class TrainState(NamedTuple):
+    """Everything a run needs to continue; every leaf has a leading worker axis."""
+
+    step: Any  # (n,) int32: steps done; also the data position
+    params: Any
+    batch_stats: Any  # BatchNorm running statistics (identical on all workers), or {}
+    opt_state: Any
+
+
+class Result(NamedTuple):
+    state: TrainState  # final state, numpy on the host; PRNG keys as raw key data
+    metrics: list[dict]  # one dict per eval
+
+
+# --- config validation and composition ---------------------------------------------------
+
+
+def _choice(value: Any, key: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{key}: unknown {value!r}; choose from {list(allowed)}")
+    return value
+
+
+def _positive_int(value: Any, key: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def n_workers_of(config: ml_collections.ConfigDict) -> int:
+    n = config.get("n_workers", 0) or jax.device_count()
+    if n > jax.device_count():
+        raise ValueError(
+            f"config.n_workers: {n} > {jax.device_count()} devices; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax"
+        )
+    return n
+
+
+def _factory_kwargs(factory: Callable, kwargs: dict, seed: int) -> dict:
+    """Add ``axis_name`` and (if the factory takes one and none was given) ``key``."""
+    kwargs = dict(kwargs, axis_name=AXIS)
+    sig = inspect.signature(factory).parameters
+    if "key" in sig and "key" not in kwargs:
+        kwargs["key"] = jax.random.key(seed)
+    return kwargs
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """Compose ``config.compressor`` with ``config.optimizer`` per policy and wrapper."""
+    comp_name = _choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
+    opt_name = _choice(config.optimizer.name, "config.optimizer.name", OPTIMIZERS)
+    wrapper = _choice(config.wrapper.name, "config.wrapper.name", WRAPPERS)
+    policy = _choice(config.get("policy", "none"), "config.policy", POLICIES)
+    lr = config.optimizer.learning_rate
+    opt_kwargs = dict(config.optimizer.get("kwargs", {}))
+    comp_kwargs = dict(config.compressor.get("kwargs", {}))
+    try:
+        opt = getattr(optax, opt_name)(lr, **opt_kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.optimizer: bad value for {opt_name!r}: {e}") from None
+    if comp_name in ("dgc", "dgc_sgd"):
+        if opt_name != "sgd" or opt_kwargs.get("momentum"):
+            raise ValueError(
+                "config.optimizer: DGC keeps momentum itself and must be followed by plain SGD; "
+                "use optimizer.name='sgd' without momentum (or compressor.name='dgc_sgd')"
+            )
+        if policy != "none" or wrapper in ("local_sgd", "diloco"):
+            raise ValueError(
+                "config.compressor.name: 'dgc'/'dgc_sgd' need policy='none', "
+                "wrapper 'none' or 'accumulate'"
+            )
+    factory = getattr(jaxcomm, comp_name)
+    try:
+        if comp_name == "dgc_sgd":
+            kwargs = _factory_kwargs(jaxcomm.dgc, comp_kwargs, config.seed)
+            chained = jaxcomm.dgc_sgd(lr, **kwargs)
+            comm = None
+        else:
+            comm = factory(**_factory_kwargs(factory, comp_kwargs, config.seed))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.compressor.kwargs: bad value for {comp_name!r}: {e}") from None
+    if comm is not None and policy == "matrices":
+        labels = lambda params: jax.tree.map(lambda p: "comp" if p.ndim >= 2 else "dense", params)
+        comm = optax.partition({"comp": comm, "dense": jaxcomm.allreduce(axis_name=AXIS)}, labels)
+    every = config.wrapper.get("every", 1)
+    if wrapper != "none":
+        every = _positive_int(every, "config.wrapper.every")
+    if wrapper in ("local_sgd", "diloco"):
+        local_comp = None if comp_name == "allreduce" else comm
+        if wrapper == "local_sgd":
+            warm = _positive_int(config.wrapper.get("warmup_steps", 0), "wrapper.warmup_steps", 0)
+            return jaxcomm.local_sgd(
+                opt, every=every, axis_name=AXIS, warmup_steps=warm, compressor=local_comp
+            )
+        return jaxcomm.diloco(opt, every=every, axis_name=AXIS, compressor=local_comp)
+    if comm is not None:
+        chained = optax.chain(comm, opt)
+    if wrapper == "accumulate":
+        return jaxcomm.accumulate(chained, every=every)
+    return chained
+
+
+def comm_steps(config: ml_collections.ConfigDict, step: int) -> int:
+    """How many of the first ``step`` steps communicate (the wrapper's schedule)."""
+    name, every = config.wrapper.name, config.wrapper.get("every", 1)
+    if name == "none":
+        return step
+    if name == "local_sgd":
+        warm = config.wrapper.get("warmup_steps", 0)
+        return min(step, warm) + max(0, step - warm) // every
+    return step // every
+
+
+def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """Check every config value (raises ``ValueError`` naming the key); returns the optimizer.
+
+    Runs before any data is read or any function compiled.
+    """
+    for key in ("seed", "model", "data", "compressor", "optimizer", "wrapper", "num_train_steps"):
+        if key not in config:
+            raise ValueError(f"config.{key}: missing")
+    _choice(config.model.name, "config.model.name", tuple(models.MODELS))
+    _choice(config.data.name, "config.data.name", data_lib.DATASETS)
+    lm = config.model.name == "char_transformer"
+    if lm != (config.data.name == "stdlib_chars"):
+        raise ValueError(
+            "config.model.name / config.data.name: 'char_transformer' goes with 'stdlib_chars' "
+            f"and vice versa, got {config.model.name!r} with {config.data.name!r}"
+        )
+    if lm:
+        _positive_int(config.data.get("seq_len"), "config.data.seq_len", 2)
+    if config.data.name == "cifar10":
+        data_lib.check_cifar_dir(config.data.get("dir"))
+    _positive_int(config.data.get("batch_size"), "config.data.batch_size")
+    steps = _positive_int(config.num_train_steps, "config.num_train_steps")
+    per_call = _positive_int(config.get("steps_per_call", 1), "config.steps_per_call")
+    for key in ("eval_every", "checkpoint_every"):
+        value = _positive_int(config.get(key, 0), f"config.{key}", 0)
+        if value % per_call:
+            raise ValueError(
+                f"config.{key}: {value} must be a multiple of config.steps_per_call={per_call}"
+            )
+    if steps % per_call:
+        raise ValueError(
+            f"config.num_train_steps: {steps} must be a multiple of steps_per_call={per_call}"
+        )
+    if not config.netsim.gbps > 0:
+        raise ValueError(f"config.netsim.gbps: expected > 0, got {config.netsim.gbps}")
+    n_workers_of(config)
+    return make_optimizer(config)
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def to_host(state: Any) -> Any:
+    """Numpy copy of ``state``; PRNG key arrays become their raw uint32 key data."""
+    return jax.device_get(
+        jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+    )
+
+
+def from_host(host: Any, like: Any) -> Any:
+    """Inverse of :func:`to_host`: re-wrap key data where ``like`` holds keys."""
+    return jax.tree.map(
+        lambda h, t: jax.random.wrap_key_data(h, impl=jax.random.key_impl(t)) if _is_key(t) else h,
+        host,
+        like,
+    )
+
+
+def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+    )
+
+
+def save_state(mngr: ocp.CheckpointManager, state: TrainState) -> None:
+    step = int(np.asarray(jax.device_get(state.step))[0])
+    mngr.save(step, args=ocp.args.StandardSave(to_host(state)))
+    mngr.wait_until_finished()
+
+
+def restore_state(mngr: ocp.CheckpointManager, step: int, like: TrainState) -> TrainState:
+    """Restore checkpoint ``step`` with ``like``'s structure (host arrays, typed keys)."""
+    template = to_host(like)
+    host = mngr.restore(step, args=ocp.args.StandardRestore(template))
+    return TrainState(*from_host(tuple(host), tuple(like)))
+
+
+# --- the step ------------------------------------------------------------------------------
+
+
+def _loss_fn(model, lm: bool) -> Callable:
+    def loss_fn(params, batch_stats, x, y):
+        variables = {"params": params}
+        if batch_stats:
+            variables["batch_stats"] = batch_stats
+            logits, mut = model.apply(variables, x, train=True, mutable=["batch_stats"])
+            batch_stats = mut["batch_stats"]
+        else:
+            logits = model.apply(variables, x, train=True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, batch_stats
+
+    return loss_fn
+
+
+def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
+    """jit(shard_map(scan of ``steps_per_call`` steps)), state donated -> (state, losses)."""
+    loss_fn = _loss_fn(model, ds.is_lm)
+    batch_size, seq_len = config.data.batch_size, ds.seq_len
+    data_key = jax.random.key(config.seed + 1)
+
+    def call(state: TrainState, x, y):
+        state = jax.tree.map(lambda a: a[0], state)
+        x = x[0]
+        y = None if y is None else y[0]
+        key = jax.random.fold_in(data_key, jax.lax.axis_index(AXIS))
+
+        def body(s: TrainState, _):
+            bx, by = data_lib.sample_batch(x, y, key, s.step, batch_size, seq_len)
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, stats), grads = grad_fn(s.params, s.batch_stats, bx, by)
+            updates, opt_state = tx.update(grads, s.opt_state, s.params)
+            params = optax.apply_updates(s.params, updates)
+            stats = jax.lax.pcast(jax.lax.pmean(stats, AXIS), AXIS, to="varying")
+            return TrainState(s.step + 1, params, stats, opt_state), jax.lax.pmean(loss, AXIS)
+
+        state, losses = jax.lax.scan(body, state, None, length=config.steps_per_call)
+        return jax.tree.map(lambda a: a[None], state), losses
+
+    spec = P(AXIS)
+    fn = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, P()))
+    return jax.jit(fn, donate_argnums=0)
+
+
+def make_eval(model, ds: data_lib.Dataset, batch_size: int) -> Callable[[Any, Any], dict]:
+    """Test loss and accuracy (next-token accuracy for LM) of one worker's params."""
+
+    @jax.jit
+    def batch_sums(params, stats, x, y):
+        variables = {"params": params, **({"batch_stats": stats} if stats else {})}
+        logits = model.apply(variables, x, train=False)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return loss.sum(), (jnp.argmax(logits, -1) == y).sum()
+
+    def evaluate(params, stats) -> dict:
+        loss = correct = count = 0.0
+        for i in range(0, len(ds.x_test), batch_size):
+            if ds.is_lm:
+                w = ds.x_test[i : i + batch_size]
+                x, y = w[:, :-1], w[:, 1:]
+            else:
+                x, y = ds.x_test[i : i + batch_size], ds.y_test[i : i + batch_size]
+            s_loss, s_correct = batch_sums(params, stats, x, y)
+            loss, correct, count = loss + float(s_loss), correct + float(s_correct), count + y.size
+        return {"eval_loss": loss / count, "accuracy": correct / count}
+
+    return evaluate
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+def _read_metrics(path: str, upto: int) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r["step"] <= upto]
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Result:
+    """Train per ``config``; write checkpoints, metrics.jsonl and metrics.png to ``workdir``."""
+    tx = validate(config)
+    n = n_workers_of(config)
+    ds = data_lib.load(config.data, n, seed=config.seed)
+    if not ds.is_lm and config.data.batch_size > ds.x_train.shape[1]:
+        raise ValueError(
+            f"config.data.batch_size: {config.data.batch_size} > {ds.x_train.shape[1]} examples "
+            "per worker"
+        )
+    model_kwargs = dict(config.model.get("kwargs", {}))
+    if not ds.is_lm:
+        model_kwargs["num_classes"] = ds.num_classes
+    model = models.build(config.model.name, **model_kwargs)
+    variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
+    params, stats = variables["params"], variables.get("batch_stats", {})
+    mesh = jax.make_mesh((n,), (AXIS,), devices=jax.devices()[:n])
+    sharding = NamedSharding(mesh, P(AXIS))
+
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
+    state = TrainState(
+        jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
+    )
+
+    os.makedirs(workdir, exist_ok=True)
+    mngr = checkpoint_manager(workdir)
+    start = 0
+    if mngr.latest_step() is not None:
+        start = int(mngr.latest_step())
+        state = restore_state(mngr, start, state)
+    state = jax.device_put(state, sharding)
+    x_train, y_train = jax.device_put((ds.x_train, ds.y_train), sharding)
+
+    report = jaxcomm.accounting.wire_report(tx, params, n)
+    bytes_per_comm = sum(c.nbytes for c in report)
+    link = netsim.Link.from_gbps(config.netsim.gbps, latency_s=config.netsim.latency_us * 1e-6)
+    time_per_comm = netsim.exchange_time(report, n, link) if report else 0.0
+    compute_s = config.netsim.get("compute_s", 0.0)
+
+    train_call = make_train_call(model, tx, mesh, ds, config)
+    first_worker = lambda t: jax.tree.map(lambda a: np.asarray(a)[0], t)
+    evaluate = make_eval(model, ds, config.get("eval_batch_size", 1024))
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    metrics = _read_metrics(metrics_path, start)
+    with open(metrics_path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in metrics)
+
+    from tqdm import tqdm
+
+    per_call, total = config.steps_per_call, config.num_train_steps
+    eval_every, ckpt_every = config.get("eval_every", 0), config.get("checkpoint_every", 0)
+    bar = tqdm(total=total, initial=start, unit="step", disable=not config.get("progress", True))
+    t0, step, losses = time.perf_counter(), start, []
+    while step < total:
+        state, call_losses = train_call(state, x_train, y_train)
+        state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
+        step += per_call
+        losses.extend(np.asarray(call_losses).tolist())
+        sent = comm_steps(config, step) * bytes_per_comm
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", MB_sent=f"{sent / 1e6:.2f}", refresh=False)
+        bar.update(per_call)
+        if (eval_every and step % eval_every == 0) or step == total:
+            one = first_worker((state.params, state.batch_stats))
+            row = {
+                "step": step,
+                "loss": float(np.mean(losses)),
+                **evaluate(*one),
+                "wire_bytes": int(sent),
+                "sim_time_s": comm_steps(config, step) * time_per_comm + step * compute_s,
+                "wall_s": time.perf_counter() - t0,
+            }
+            losses = []
+            metrics.append(row)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            bar.write(
+                f"step {step}: loss {row['loss']:.4f} eval_loss {row['eval_loss']:.4f} "
+                f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB sim {row['sim_time_s']:.3f}s"
+            )
+        if (ckpt_every and step % ckpt_every == 0) or step == total:
+            save_state(mngr, state)
+    bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    if metrics and config.get("plot", True):
+        plot_metrics(metrics, os.path.join(workdir, "metrics.png"), config.netsim.gbps)
+    return Result(TrainState(*to_host(tuple(state))), metrics)
+
+
+def plot_metrics(rows: list[dict], path: str, gbps: float) -> None:
+    """Accuracy vs step, vs bytes sent per worker, vs simulated time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    acc = [100 * r["accuracy"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5), sharey=True)
+    xs = [
+        ([r["step"] for r in rows], "step"),
+        ([r["wire_bytes"] / 1e6 for r in rows], "MB sent per worker"),
+        ([r["sim_time_s"] for r in rows], f"simulated time at {gbps:g} Gbps (s)"),
+    ]
+    for ax, (x, label) in zip(axes, xs):
+        ax.plot(x, acc, marker="o", ms=3)
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,169 @@
+"""The experiment launcher: one step per config, checkpoint round trip, resume, bad configs."""
+
+import os
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import data as data_lib
+from experiments import train
+from experiments.configs import char_transformer, cifar_resnet, digits_mlp
+
+
+def tiny(config, steps=1, per_call=1):
+    """Shrink a config to a tiny model and ``steps`` steps."""
+    config.num_train_steps = steps
+    config.steps_per_call = per_call
+    config.eval_every = per_call
+    config.checkpoint_every = per_call
+    config.progress = False
+    config.plot = False
+    name = config.model.name
+    if name == "mlp":
+        config.model.kwargs = {"hidden": 16, "depth": 1}
+    elif name == "char_transformer":
+        config.model.kwargs = {"dim": 16, "depth": 1, "heads": 2, "max_len": 16}
+        config.data.seq_len, config.data.max_chars, config.data.batch_size = 16, 40_000, 4
+    elif name == "resnet":
+        config.model.kwargs = {"stages": (4, 8), "blocks": 1}
+        config.data.n_train, config.data.batch_size = 256, 2
+    return config
+
+
+def leaves(state):
+    return jax.tree_util.tree_leaves_with_path(state)
+
+
+def assert_bit_equal(a, b):
+    la, lb = leaves(a), leaves(b)
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert x.tobytes() == y.tobytes(), f"leaf {jax.tree_util.keystr(path)} differs"
+
+
+CONFIGS = {
+    "digits_mlp": lambda: digits_mlp.get_config(),
+    "digits_mlp:powersgd": lambda: digits_mlp.get_config("powersgd"),
+    "digits_mlp:local_sgd": lambda: digits_mlp.get_config("local_sgd"),
+    "char_transformer": lambda: char_transformer.get_config(),
+    "cifar_resnet": lambda: cifar_resnet.get_config(),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_step(name, tmp_path):
+    config = tiny(CONFIGS[name]())
+    result = train.train_and_evaluate(config, str(tmp_path))
+    (row,) = result.metrics
+    assert row["step"] == 1 and np.isfinite(row["loss"]) and 0.0 <= row["accuracy"] <= 1.0
+    synced = train.comm_steps(config, 1) == 1  # local SGD (every 8) has not synced yet
+    assert (row["wire_bytes"] > 0) == synced and (row["sim_time_s"] > 0) == synced
+    assert np.all(result.state.step == 1)
+    assert os.path.exists(tmp_path / "metrics.jsonl")
+    assert os.path.isdir(tmp_path / "checkpoints" / "1")
+
+
+@pytest.mark.parametrize("variant", ["powersgd", "qsgd"])
+def test_checkpoint_round_trip_bit_exact(variant, tmp_path):
+    # PowerSGD: residuals, Q, counters; QSGD: a PRNG key and counters.
+    config = tiny(digits_mlp.get_config(variant), steps=4, per_call=2)
+    result = train.train_and_evaluate(config, str(tmp_path))
+    mngr = train.checkpoint_manager(str(tmp_path))
+    assert mngr.latest_step() == 4
+    template = jax.tree.map(np.zeros_like, result.state)
+    restored = train.restore_state(mngr, 4, template)
+    assert_bit_equal(train.to_host(restored), result.state)
+    opt_leaves = jax.tree.leaves(result.state.opt_state)
+    assert any(x.dtype == np.int32 and x.max() > 0 for x in opt_leaves)  # counters moved
+    if variant == "qsgd":  # typed PRNG keys are saved as their key data
+        assert any(x.dtype == np.uint32 for x in opt_leaves)
+    else:  # PowerSGD's Q (2-D, float) and residuals
+        assert sum(x.ndim == 3 and x.dtype == np.float32 for x in opt_leaves) >= 2
+
+
+@pytest.mark.parametrize("variant", ["powersgd", "local_sgd"])
+def test_resume_equals_uninterrupted(variant, tmp_path):
+    def cfg(steps):
+        c = tiny(digits_mlp.get_config(variant), steps=steps, per_call=2)
+        c.wrapper.every = 3  # local SGD: a sync falls after the resume point
+        return c
+
+    full = train.train_and_evaluate(cfg(6), str(tmp_path / "full"))
+    part = train.train_and_evaluate(cfg(2), str(tmp_path / "part"))
+    resumed = train.train_and_evaluate(cfg(6), str(tmp_path / "part"))
+    assert np.all(part.state.step == 2) and np.all(resumed.state.step == 6)
+    assert_bit_equal(resumed.state, full.state)
+    assert [r["step"] for r in resumed.metrics] == [2, 4, 6]
+    assert resumed.metrics[-1] == {**full.metrics[-1], "wall_s": resumed.metrics[-1]["wall_s"]}
+    # and training moved the params
+    assert not np.array_equal(
+        part.state.params["Dense_0"]["kernel"], full.state.params["Dense_0"]["kernel"]
+    )
+
+
+def _no_compile(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("reached data loading / compilation")
+
+    monkeypatch.setattr(train, "make_train_call", boom)
+    monkeypatch.setattr(data_lib, "load", boom)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda c: setattr(c.compressor, "name", "zip"),
+            r"config\.compressor\.name: unknown 'zip'",
+        ),
+        (lambda c: c.compressor.kwargs.update(ratio=1.5), r"config\.compressor\.kwargs.*ratio"),
+        (lambda c: setattr(c.optimizer, "name", "nope"), r"config\.optimizer\.name"),
+        (lambda c: setattr(c.wrapper, "name", "gossip"), r"config\.wrapper\.name"),
+        (lambda c: setattr(c.model, "name", "vit"), r"config\.model\.name"),
+        (lambda c: setattr(c, "steps_per_call", 3), r"multiple of config\.steps_per_call"),
+        (lambda c: setattr(c.data, "name", "cifar10"), r"config\.data\.dir: required"),
+    ],
+)
+def test_bad_config_errors_before_compile(edit, match, monkeypatch, tmp_path):
+    config = tiny(digits_mlp.get_config(), steps=4, per_call=2)
+    edit(config)
+    _no_compile(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_missing_cifar_dir_says_where(monkeypatch, tmp_path):
+    config = tiny(cifar_resnet.get_config())
+    config.data.name, config.data.dir = "cifar10", str(tmp_path / "absent")
+    _no_compile(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=r"config\.data\.dir.*cifar-10-batches-py"):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+def _write_cifar(path, n, seed):
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+    labels = rng.integers(0, 10, n).tolist()
+    with open(path, "wb") as f:
+        pickle.dump({b"data": raw, b"labels": labels, b"batch_label": b"x"}, f)
+    return raw, labels
+
+
+def test_cifar_pickle_loader(tmp_path):
+    raw, labels = _write_cifar(tmp_path / "data_batch_1", 20, 0)
+    _write_cifar(tmp_path / "data_batch_2", 4, 1)
+    _write_cifar(tmp_path / "test_batch", 6, 2)
+    x, y = data_lib._read_cifar_pickle(str(tmp_path / "data_batch_1"))
+    assert x.shape == (20, 32, 32, 3) and x.dtype == np.uint8
+    # channel planes R, G, B, each row-major 32x32
+    assert x[3, 5, 7, 2] == raw[3, 2 * 1024 + 5 * 32 + 7]
+    assert x[0, 31, 0, 1] == raw[0, 1024 + 31 * 32]
+    assert y.tolist() == labels
+    ds = data_lib.cifar10(8, str(tmp_path))
+    assert ds.x_train.shape == (8, 3, 32, 32, 3) and ds.y_train.shape == (8, 3)
+    assert ds.x_test.shape == (6, 32, 32, 3) and ds.num_classes == 10
+    np.testing.assert_allclose(ds.x_train.reshape(-1, 3).mean(0), 0, atol=1e-5)
