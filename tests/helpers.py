@@ -81,3 +81,28 @@ def vmap_update(tx, grads, state):
 
 def np_tree(t):
     return jax.tree.map(lambda x: np.asarray(x, dtype=np.float64), t)
+
+
+def ef_reference(step, grads_seq, params, min_size, **kw):
+    """NumPy error feedback + mean over workers, leaf by leaf, for a per-worker rule.
+
+    ``step(p, **kw) -> (sent, residual)`` is one worker's compressor rule on a
+    flat vector; leaves smaller than ``min_size`` are averaged densely.
+    Returns the per-step mean outputs and the final residuals (n, size).
+    """
+    names = sorted(params)
+    res = {k: np.zeros((N, params[k].size)) for k in names}
+    outs = []
+    for g in grads_seq:
+        out = {}
+        for k in names:
+            gk = np.asarray(g[k], np.float64).reshape(N, -1)
+            if params[k].size < min_size:
+                out[k] = gk.mean(0).reshape(params[k].shape)
+                continue
+            sent = np.zeros_like(gk)
+            for w in range(N):
+                sent[w], res[k][w] = step(gk[w] + res[k][w], **kw)
+            out[k] = sent.mean(0).reshape(params[k].shape)
+        outs.append(out)
+    return outs, res

@@ -23,17 +23,6 @@ STEPS = 300
 KEY = jax.random.key(0)
 
 
-@pytest.fixture(scope="module")
-def split():
-    return digits.load(8)
-
-
-@pytest.fixture(scope="module")
-def dense_accuracy(split):
-    tx = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.sgd(0.5))
-    return digits.train(tx, steps=STEPS, split=split).accuracy
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -46,20 +35,22 @@ def dense_accuracy(split):
     ],
     ids=["ef_sign", "onebit", "twobit", "qsgd16", "terngrad", "int8"],
 )
-def test_quantised_training_matches_dense_within_two_points(make, split, dense_accuracy):
+def test_quantised_training_matches_dense_within_two_points(make, digits_split, dense_accuracy):
     assert dense_accuracy > 0.93  # the harness itself learns
-    acc = digits.train(optax.chain(make(), optax.sgd(0.5)), steps=STEPS, split=split).accuracy
+    acc = digits.train(
+        optax.chain(make(), optax.sgd(0.5)), steps=STEPS, split=digits_split
+    ).accuracy
     assert acc >= dense_accuracy - 0.02, (acc, dense_accuracy)
 
 
-def test_sign_without_error_feedback_is_reported(split, dense_accuracy):
+def test_sign_without_error_feedback_is_reported(digits_split, dense_accuracy):
     """Reported, not a claim of the methods: plain scaled sign and majority vote, no EF."""
     plain = jaxcomm.ef_sign(axis_name="data", min_size=0, error_feedback=False)
     ef = jaxcomm.ef_sign(axis_name="data", min_size=0)
     vote = jaxcomm.sign_majority(axis_name="data", min_size=0)
-    r_plain = digits.train(optax.chain(plain, optax.sgd(0.5)), steps=STEPS, split=split)
-    r_ef = digits.train(optax.chain(ef, optax.sgd(0.5)), steps=STEPS, split=split)
-    r_vote = digits.train(optax.chain(vote, optax.sgd(0.003)), steps=STEPS, split=split)
+    r_plain = digits.train(optax.chain(plain, optax.sgd(0.5)), steps=STEPS, split=digits_split)
+    r_ef = digits.train(optax.chain(ef, optax.sgd(0.5)), steps=STEPS, split=digits_split)
+    r_vote = digits.train(optax.chain(vote, optax.sgd(0.003)), steps=STEPS, split=digits_split)
     print(
         f"dense {dense_accuracy:.4f}  EF-sign {r_ef.accuracy:.4f}  sign no EF "
         f"{r_plain.accuracy:.4f}  majority vote {r_vote.accuracy:.4f}"

@@ -41,26 +41,6 @@ def np_twobit_step(p, tau):
     return sent, p - sent
 
 
-def run_reference(step, grads_seq, params, min_size, **kw):
-    """Per-worker error feedback + mean over workers, leaf by leaf."""
-    names = sorted(params)
-    res = {k: np.zeros((H.N, params[k].size)) for k in names}
-    outs = []
-    for g in grads_seq:
-        out = {}
-        for k in names:
-            gk = np.asarray(g[k], np.float64).reshape(H.N, -1)
-            if params[k].size < min_size:
-                out[k] = gk.mean(0).reshape(params[k].shape)
-                continue
-            sent = np.zeros_like(gk)
-            for w in range(H.N):
-                sent[w], res[k][w] = step(gk[w] + res[k][w], **kw)
-            out[k] = sent.mean(0).reshape(params[k].shape)
-        outs.append(out)
-    return outs, res
-
-
 @pytest.mark.parametrize(
     "make, step, kw",
     [
@@ -93,7 +73,7 @@ def test_matches_numpy_over_steps(make, step, kw):
     tx = make()
     grads_seq = [H.per_worker_grads(PARAMS, seed=s) for s in range(4)]
     state = H.stack(tx.init(PARAMS))
-    ref_outs, ref_res = run_reference(step, grads_seq, PARAMS, MIN_SIZE, **kw)
+    ref_outs, ref_res = H.ef_reference(step, grads_seq, PARAMS, MIN_SIZE, **kw)
     for g, ref in zip(grads_seq, ref_outs):
         out, state = H.shard_map_update(tx, g, state)
         for k in PARAMS:
