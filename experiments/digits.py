@@ -106,40 +106,16 @@ def train(
     jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.5))``); its state is
     kept per worker.
     """
-    if jax.device_count() < n_workers:
-        raise ValueError(
-            f"n_workers: {n_workers} > {jax.device_count()} devices; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n_workers} before importing jax"
-        )
-    split = split or load(n_workers, seed=seed)
-    mesh = jax.make_mesh((n_workers,), (AXIS,), devices=jax.devices()[:n_workers])
-    params = init_params(model, jax.random.key(seed), hidden=hidden)
-    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n_workers,) + a.shape), t)
-    state = (stack(params), stack(tx.init(params)))
-
-    def run(state, x, y):
-        params, opt_state = jax.tree.map(lambda a: a[0], state)
-        x, y = x[0], y[0]
-
-        def step(_, carry):
-            params, opt_state = carry
-            grads = jax.grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        params, opt_state = jax.lax.fori_loop(0, steps, step, (params, opt_state))
-        return jax.tree.map(lambda a: a[None], (params, opt_state))
-
-    sh = NamedSharding(mesh, P(AXIS))
-    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-    params, opt_state = jax.device_get(
-        fn(*jax.device_put((state, split.x_train, split.y_train), sh))
-    )
-    p0 = jax.tree.map(lambda a: a[0], params)
-    train_loss = float(
-        np.mean([loss_fn(p0, split.x_train[w], split.y_train[w]) for w in range(n_workers)])
-    )
-    return Result(accuracy(p0, split.x_test, split.y_test), train_loss, params, opt_state)
+    return train_curve(
+        tx,
+        steps=steps,
+        eval_every=steps,
+        model=model,
+        hidden=hidden,
+        n_workers=n_workers,
+        seed=seed,
+        split=split,
+    ).result
 
 
 class Curve(NamedTuple):
@@ -167,6 +143,11 @@ def train_curve(
     """
     if steps % eval_every:
         raise ValueError(f"steps: {steps} must be a multiple of eval_every={eval_every}")
+    if jax.device_count() < n_workers:
+        raise ValueError(
+            f"n_workers: {n_workers} > {jax.device_count()} devices; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n_workers} before importing jax"
+        )
     split = split or load(n_workers, seed=seed)
     mesh = jax.make_mesh((n_workers,), (AXIS,), devices=jax.devices()[:n_workers])
     params = init_params(model, jax.random.key(seed), hidden=hidden)

@@ -522,21 +522,9 @@ def _check_state(state: Any, updates: Any, momentum_correction: bool) -> None:
         raise ValueError(
             "state: state.momentum is None; it comes from a dgc with momentum_correction=False"
         )
-    s_upd = jax.tree.structure(updates)
     for name, buf in (("momentum", state.momentum), ("velocity", state.velocity)):
-        if buf is None:
-            continue
-        if jax.tree.structure(buf) != s_upd:
-            raise ValueError(
-                f"state.{name}: its tree structure {jax.tree.structure(buf)} does not match the "
-                f"updates' {s_upd}; was the state initialised with other params?"
-            )
-        for b, u in zip(jax.tree.leaves(buf), jax.tree.leaves(updates)):
-            if jnp.shape(b) != jnp.shape(u):
-                raise ValueError(
-                    f"state.{name}: leaf shape {jnp.shape(b)} does not match the update's "
-                    f"{jnp.shape(u)}; was the state initialised with other params?"
-                )
+        if buf is not None:
+            core.check_residual(buf, updates, f"state.{name}")
 
 
 # --- the chain ----------------------------------------------------------------------
