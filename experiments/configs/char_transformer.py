@@ -4,7 +4,7 @@ Corpus: the installed stdlib's top-level ``*.py`` files (sorted, first 2 MiB),
 byte tokens, last 10% held out. PowerSGD rank 4 on the matrices, Adam.
 
 Command:
-  python -m experiments.main --config experiments/configs/char_transformer.py --workdir /tmp/char_tf
+  python -m experiments.main --config experiments/configs/char_transformer.py --workdir runs/char_tf
 
 Runtime here (2 CPU cores, 8 fake devices): about 45 s (300 steps, ~9 steps/s).
 Expected result: next-byte test accuracy 46.4%, test loss 2.09 nats/byte at step 300

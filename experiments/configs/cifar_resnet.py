@@ -6,9 +6,9 @@ Synthetic CIFAR-shaped data by default (for throughput); for real CIFAR-10 set
 workers after every step.
 
 Command:
-  python -m experiments.main --config experiments/configs/cifar_resnet.py --workdir /tmp/cifar
+  python -m experiments.main --config experiments/configs/cifar_resnet.py --workdir runs/cifar
 Real CIFAR-10 (not run here; needs the pickles):
-  python -m experiments.main --config experiments/configs/cifar_resnet.py --workdir /tmp/c10 \
+  python -m experiments.main --config experiments/configs/cifar_resnet.py --workdir runs/c10 \
     --config.data.name=cifar10 --config.data.dir=PATH/cifar-10-batches-py \
     --config.num_train_steps=5000
 

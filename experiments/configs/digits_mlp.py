@@ -1,7 +1,7 @@
 r"""MLP on scikit-learn's digits, 8 workers, top-k 1% + error feedback (default config).
 
 Command:
-  python -m experiments.main --config experiments/configs/digits_mlp.py --workdir /tmp/digits_mlp
+  python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
 Variants (``:NAME`` after the file): dense, bf16, topk (default), threshold, dgc, powersgd,
 ef_sign, qsgd, local_sgd, diloco, accumulate, policy. E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
