@@ -60,9 +60,15 @@ def wire_report(
     computed and no mesh or devices are needed; only collectives that end up
     in the traced program count. Collectives inside ``lax.cond`` branches
     (:func:`jaxcomm.accumulate`, :func:`jaxcomm.local_sgd`) are counted once:
-    the report describes a step that communicates. (``optax.MultiSteps``
-    runs its inner update, exchange included, on every micro-step.) A collective inside a loop body
-    (``lax.scan``/``fori_loop``) is also counted once, like an HLO instruction.
+    the report describes a step that communicates (``optax.MultiSteps``
+    runs its inner update, exchange included, on every micro-step). A
+    collective inside a loop body (``lax.scan``/``fori_loop``) is also counted
+    once, like an HLO instruction. Where a transform switches between modes
+    with different payloads (``lax.switch``/``cond``: DGC's warm-up
+    densities, PowerSGD's dense steps before ``start_iter``), every branch's
+    collectives are counted, as they all appear in the compiled program: an
+    upper bound for any single step. Build the transform in its steady-state
+    setting (no warm-up) to report steady-state bytes.
 
     Args:
       tx: any optax transformation containing jaxcomm transforms.
