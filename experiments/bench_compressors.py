@@ -113,6 +113,27 @@ def _median_time(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def _sharded_update(tx, params, mesh):
+    """(jitted shard_map'd ``tx.update``, per-worker initial state placed on the mesh)."""
+    n = mesh.size
+    state = jax.device_put(
+        jax.tree.map(
+            lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
+            tx.init(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)),
+        ),
+        NamedSharding(mesh, P(AXIS)),
+    )
+
+    def f(g, s):
+        u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
+        return u, jax.tree.map(lambda a: a[None], s)
+
+    step = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
+    )
+    return step, state
+
+
 def _median_ratio(fn: Callable[[], object], base: Callable[[], object], reps: int) -> float:
     """Median over reps of time(fn) / time(base), the two timed back to back.
 
@@ -151,21 +172,7 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     for name in names:
         tx = CASES[name](ratio)
         g_in, p_in = (grads_m, params_m) if name in MATRIX_CASES else (grads, params)
-        state = jax.device_put(
-            jax.tree.map(
-                lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
-                tx.init(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), p_in)),
-            ),
-            sh,
-        )
-
-        def f(g, s, tx=tx):
-            u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
-            return u, jax.tree.map(lambda a: a[None], s)
-
-        step = jax.jit(
-            jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
-        )
+        step, state = _sharded_update(tx, p_in, mesh)
         r = _median_ratio(
             lambda step=step, state=state, g=g_in: step(g, state),
             lambda: copy(grads["g"]),
@@ -287,21 +294,7 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
     rows = []
     for name in names:
         tx = CASES[name](ratio)
-        state = jax.device_put(
-            jax.tree.map(
-                lambda a: jnp.broadcast_to(a[None], (n,) + a.shape),
-                tx.init(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)),
-            ),
-            sh,
-        )
-
-        def f(g, s, tx=tx):
-            u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
-            return u, jax.tree.map(lambda a: a[None], s)
-
-        step = jax.jit(
-            jax.shard_map(f, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
-        )
+        step, state = _sharded_update(tx, params, mesh)
         r = _median_ratio(
             lambda step=step, state=state: step(grads, state), lambda: copy(grads), reps
         )
