@@ -393,19 +393,11 @@ def compress(
         if encoded:
             finite = jnp.all(jnp.stack(finites))
             for group, vec, payload, aux in encoded:
-                old = tuple(residuals[i] for i in group)
-
-                def update(vec=vec, payload=payload, aux=aux, group=group, old=old):
-                    res = compressor.residual(vec, payload, aux)
-                    return tuple(
-                        res[sl].reshape(o.shape).astype(o.dtype)
-                        for (_, sl), o in zip(_slices(group, ps), old)
-                    )
-
-                # cond, not a select: a skipped step costs nothing, a normal one
-                # no extra pass over the residual
-                for i, r in zip(group, jax.lax.cond(finite, update, lambda old=old: old)):
-                    new_res[i] = r
+                res = compressor.residual(vec, payload, aux)
+                for i, sl in _slices(group, ps):
+                    r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
+                    # a select: a lax.cond here measured ~1.5x slower on XLA:CPU
+                    new_res[i] = jnp.where(finite, r, residuals[i])
             nonfinite = nonfinite + (~finite).astype(jnp.int32)
 
         new_state = CompressState(
