@@ -185,14 +185,8 @@ def _plot(rows: list[dict], path: str) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     for r in rows:
-        ax.scatter(r["traffic_per_step"], 100 * r["accuracy"], s=40)
-        ax.annotate(
-            r["method"],
-            (r["traffic_per_step"], 100 * r["accuracy"]),
-            fontsize=8,
-            xytext=(4, 4),
-            textcoords="offset points",
-        )
+        # a legend, not annotations: several methods share an accuracy and overlap
+        ax.scatter(r["traffic_per_step"], 100 * r["accuracy"], s=40, label=r["method"])
         g = FLAGS.gbps[len(FLAGS.gbps) // 2]
         per = r[f"comm_per_step_{g}gbps"]
         ax2.plot(
@@ -210,6 +204,7 @@ def _plot(rows: list[dict], path: str) -> None:
     ax2.set_ylabel("test accuracy (%)")
     ax2.set_ylim(80, 100)
     ax2.legend(fontsize=7)
+    ax.legend(fontsize=7)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
