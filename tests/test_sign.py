@@ -235,3 +235,18 @@ def test_bf16_updates_keep_dtype_and_match_f32():
         np.testing.assert_allclose(
             np.asarray(out16["w"], np.float32), ref["w"], rtol=1e-2, atol=1e-2
         )
+
+
+@pytest.mark.parametrize("n", [3, 20])  # 20 > quantize.UNROLL: the streamed (scan) decode
+def test_all_gather_decode_any_worker_count(n):
+    """EF-sign on n simulated workers (vmap) equals the NumPy mean of each worker's rule."""
+    from jaxcomm.compressors import quantize
+
+    assert (n > quantize.UNROLL) == (n == 20)
+    tx = jaxcomm.ef_sign(axis_name="data", min_size=0)
+    params = {"w": jnp.zeros((300,))}
+    g = H.per_worker_grads(params, seed=7, n=n)
+    state = H.stack(tx.init(params), n)
+    out, _ = jax.vmap(lambda g, s: tx.update(g, s), axis_name="data")(g, state)
+    sent = np.stack([np_ef_sign_step(np.asarray(g["w"][w], np.float64))[0] for w in range(n)])
+    np.testing.assert_allclose(np.asarray(out["w"][0]), sent.mean(0), rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ from jaxcomm import core, exchange
 from jaxcomm.compressors import packing
 from jaxcomm.exchange import AxisName
 
+UNROLL = 16  # workers decoded in one fused pass; more go through a scan
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
 
 
@@ -56,13 +57,21 @@ def unbucket(x: jax.Array, d: int) -> jax.Array:
 def sum_over_workers(decode_one: Callable[..., jax.Array], payload: tuple) -> jax.Array:
     """``Σ_w decode_one(*payload[w])`` over the leading worker axis of an all-gathered payload.
 
-    One worker at a time (a ``lax.scan`` with one ``(d,)`` accumulator): XLA:CPU reduces a
-    fused ``(n, d)`` expression over its major axis ~50x slower than it streams the
-    workers through an accumulator, and the ``(n, d)`` intermediate is never built.
+    Up to ``UNROLL`` workers: a sum of n static terms, which XLA fuses into one pass that
+    reads every worker's packed codes and writes the ``(d,)`` result once (measured at
+    d=4M, n=8: ef_sign 12.7x -> 5.9x a copy, twobit 11.8x -> 4.6x). More workers are
+    streamed through a ``lax.scan`` accumulator. Either way the ``(n, d)`` intermediate
+    is never built: XLA:CPU reduces a fused ``(n, d)`` expression over its major axis
+    ~50x slower.
     """
+    n = payload[0].shape[0]
+    if n <= UNROLL:
+        # a sum of n static terms: XLA fuses it into one pass that writes d once
+        total = decode_one(*(x[0] for x in payload))
+        for i in range(1, n):
+            total = total + decode_one(*(x[i] for x in payload))
+        return total
     first = decode_one(*(x[0] for x in payload))
-    if payload[0].shape[0] == 1:
-        return first
 
     def body(acc, xs):
         return acc + decode_one(*xs), None
