@@ -37,35 +37,38 @@ def _restack(t):
     return jax.tree.map(lambda x: x[None], t)
 
 
-def shard_map_update(tx, grads, state, *, jit: bool = True):
+def sharded(tx, m=None, *, jit: bool = True):
+    """(``tx.update`` under jax.shard_map over every axis of mesh ``m``, input sharding).
+
+    Grads and state carry one leading worker axis, sharded over all mesh axes;
+    the update comes out replicated (``out_specs=P()`` checks that), the new
+    state per worker.
+    """
+    m = m or mesh()
+    names = m.axis_names
+    spec = P(names[0]) if len(names) == 1 else P(names)
+
+    def f(g, s):
+        u, s = tx.update(_unstack(g), _unstack(s))
+        return u, _restack(s)
+
+    fn = jax.shard_map(f, mesh=m, in_specs=(spec, spec), out_specs=(P(), spec))
+    return (jax.jit(fn) if jit else fn), NamedSharding(m, spec)
+
+
+def shard_map_update(tx, grads, state, *, jit: bool = True, m=None):
     """``tx.update`` under jax.shard_map; grads/state have a leading worker axis.
 
     Returns (updates of worker 0 — replicated, checked by out_specs=P() —,
     new per-worker state with the leading axis).
     """
-    m = mesh()
-
-    def f(g, s):
-        u, s = tx.update(_unstack(g), _unstack(s))
-        return u, _restack(s)
-
-    fn = jax.shard_map(f, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS)))
-    if jit:
-        fn = jax.jit(fn)
-    sh = NamedSharding(m, P(AXIS))
+    fn, sh = sharded(tx, m, jit=jit)
     return fn(jax.device_put(grads, sh), jax.device_put(state, sh))
 
 
-def shard_map_compiled(tx, grads, state):
+def shard_map_compiled(tx, grads, state, *, m=None):
     """The compiled shard_map'd update (for HLO inspection)."""
-    m = mesh()
-
-    def f(g, s):
-        u, s = tx.update(_unstack(g), _unstack(s))
-        return u, _restack(s)
-
-    fn = jax.jit(jax.shard_map(f, mesh=m, in_specs=(P(AXIS), P(AXIS)), out_specs=(P(), P(AXIS))))
-    sh = NamedSharding(m, P(AXIS))
+    fn, sh = sharded(tx, m)
     return fn.lower(jax.device_put(grads, sh), jax.device_put(state, sh)).compile()
 
 

@@ -7,8 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from experiments import digits
@@ -29,16 +27,7 @@ F32 = np.float32
 
 def runner(tx):
     """A jitted ``tx.update`` under shard_map, compiled once for several steps."""
-    mesh = H.mesh()
-
-    def f(g, s):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s))
-        return u, jax.tree.map(lambda x: x[None], s)
-
-    fn = jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P("data")))
-    )
-    sh = NamedSharding(mesh, P("data"))
+    fn, sh = H.sharded(tx)
     return lambda g, s: fn(jax.device_put(g, sh), jax.device_put(s, sh))
 
 

@@ -7,8 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from experiments import digits
@@ -20,17 +18,8 @@ KEY = jax.random.key(0)
 
 def run4(tx, grads, state):
     """``tx.update`` under shard_map on a 4-device mesh (leading worker axis of 4)."""
-    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-
-    def f(g, s):
-        u, s = tx.update(jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s))
-        return u, jax.tree.map(lambda x: x[None], s)
-
-    fn = jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P("data")))
-    )
-    sh = NamedSharding(mesh, P("data"))
-    return fn(jax.device_put(grads, sh), jax.device_put(state, sh))
+    m = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    return H.shard_map_update(tx, grads, state, m=m)
 
 
 def np_gram_schmidt(p):

@@ -47,17 +47,12 @@ MESH2 = ("node", "local")
 PARAMS = {"w": jnp.zeros((30, 20)), "b": jnp.zeros((10,))}
 
 
+def mesh_2d():
+    return jax.make_mesh((2, 4), MESH2)
+
+
 def run_2d(tx, grads, state):
-    mesh = jax.make_mesh((2, 4), MESH2)
-    spec = P(MESH2)
-
-    def f(g, s):
-        u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
-        return u, jax.tree.map(lambda a: a[None], s)
-
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec), out_specs=(P(), spec)))
-    sh = NamedSharding(mesh, spec)
-    return fn(jax.device_put(grads, sh), jax.device_put(state, sh))
+    return H.shard_map_update(tx, grads, state, m=mesh_2d())
 
 
 def np_topk_sent(p, ratio):
@@ -120,18 +115,9 @@ def test_hierarchical_bytes_slow_axis_separately_and_in_hlo():
     # a flat top-k over all 8 workers would send the whole leaf's k per worker
     flat = jaxcomm.wire_bytes(jaxcomm.topk(0.05, axis_name=MESH2, min_size=0), PARAMS, 8)
     assert slow < flat
-    mesh = jax.make_mesh((2, 4), MESH2)
-    spec = P(MESH2)
-
-    def f(g, s):
-        u, s = tx.update(jax.tree.map(lambda a: a[0], g), jax.tree.map(lambda a: a[0], s))
-        return u, jax.tree.map(lambda a: a[None], s)
-
-    fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec), out_specs=(P(), spec)))
-    sh = NamedSharding(mesh, spec)
-    compiled = fn.lower(
-        jax.device_put(H.per_worker_grads(PARAMS), sh), jax.device_put(H.stack(tx.init(PARAMS)), sh)
-    ).compile()
+    compiled = H.shard_map_compiled(
+        tx, H.per_worker_grads(PARAMS), H.stack(tx.init(PARAMS)), m=mesh_2d()
+    )
     assert jaxcomm.accounting.collective_bytes(compiled) == slow + fast
 
 
