@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from experiments import data as data_lib
 from experiments import models
-from jaxcomm import netsim
+from jaxcomm import distributed, netsim
 
 AXIS = "data"
 # Every jaxcomm factory that returns a GradientTransformation taking the gradient.
@@ -101,6 +101,11 @@ def n_workers_of(config: ml_collections.ConfigDict) -> int:
         raise ValueError(
             f"config.n_workers: {n} > {jax.device_count()} devices; on CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} before importing jax"
+        )
+    if jax.process_count() > 1 and n != jax.device_count():
+        raise ValueError(
+            f"config.n_workers: {n}, but with {jax.process_count()} processes every one of the "
+            f"{jax.device_count()} devices is a worker; set config.n_workers=0"
         )
     return n
 
@@ -249,14 +254,43 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
-def save_state(mngr: ocp.CheckpointManager, state: TrainState) -> None:
-    step = int(np.asarray(jax.device_get(state.step))[0])
-    mngr.save(step, args=ocp.args.StandardSave(to_host(state)))
+def _key_data(state: Any) -> Any:
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+
+
+def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> None:
+    """Save the (global, possibly multi-process) state at ``step``; every process calls it.
+
+    Each process writes the shards it holds and process 0 the metadata (orbax's
+    multi-process save; on a cluster ``workdir`` must be a shared file system
+    or bucket). A checkpoint becomes visible only once complete, so a process
+    killed mid-save leaves the previous one as the latest.
+    """
+    mngr.save(step, args=ocp.args.StandardSave(_key_data(state)))
     mngr.wait_until_finished()
 
 
+def check_checkpoint_workers(mngr: ocp.CheckpointManager, step: int, n: int) -> None:
+    """The checkpoint's per-worker state must have this run's worker count."""
+    meta = mngr.item_metadata(step)
+    shape = getattr(getattr(meta, "step", None), "shape", None)
+    if shape is None and isinstance(meta, (tuple, list)):
+        shape = getattr(meta[0], "shape", None)
+    if shape is not None and tuple(shape) != (n,):
+        raise ValueError(
+            f"checkpoint at step {step} holds per-worker state (error-feedback residuals, keys, "
+            f"local params) of {shape[0]} workers, but this run has {n}. Resume with "
+            f"{shape[0]} workers in all (any split into processes x devices works), or use "
+            f"a new --workdir. jaxcomm does not merge or split per-worker residuals."
+        )
+
+
 def restore_state(mngr: ocp.CheckpointManager, step: int, like: TrainState) -> TrainState:
-    """Restore checkpoint ``step`` with ``like``'s structure (host arrays, typed keys)."""
+    """Restore checkpoint ``step`` with ``like``'s structure as host arrays (typed keys kept).
+
+    Every process reads the whole state; :func:`jaxcomm.distributed.shard_rows`
+    then keeps each process's own workers' rows.
+    """
     template = to_host(like)
     host = mngr.restore(step, args=ocp.args.StandardRestore(template))
     return TrainState(*from_host(tuple(host), tuple(like)))
@@ -361,8 +395,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     model = models.build(config.model.name, **model_kwargs)
     variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
     params, stats = variables["params"], variables.get("batch_stats", {})
-    mesh = jax.make_mesh((n,), (AXIS,), devices=jax.devices()[:n])
-    sharding = NamedSharding(mesh, P(AXIS))
+    mesh = distributed.global_mesh(AXIS, n)
+    lead = jax.process_index() == 0  # only process 0 evaluates, writes metrics and plots
 
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
     state = TrainState(
@@ -374,9 +408,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     start = 0
     if mngr.latest_step() is not None:
         start = int(mngr.latest_step())
+        check_checkpoint_workers(mngr, start, n)
         state = restore_state(mngr, start, state)
-    state = jax.device_put(state, sharding)
-    x_train, y_train = jax.device_put((ds.x_train, ds.y_train), sharding)
+    state = distributed.shard_rows(state, mesh, AXIS)
+    x_train, y_train = distributed.shard_rows((ds.x_train, ds.y_train), mesh, AXIS)
 
     report = jaxcomm.accounting.wire_report(tx, params, n)
     bytes_per_comm = sum(c.nbytes for c in report)
@@ -384,54 +419,67 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     time_per_comm = netsim.exchange_time(report, n, link) if report else 0.0
     compute_s = config.netsim.get("compute_s", 0.0)
 
-    train_call = make_train_call(model, tx, mesh, ds, config)
-    first_worker = lambda t: jax.tree.map(lambda a: np.asarray(a)[0], t)
+    t_compile = time.perf_counter()
+    train_call = make_train_call(model, tx, mesh, ds, config).lower(state, x_train, y_train)
+    train_call = train_call.compile()
+    compile_s = time.perf_counter() - t_compile
     evaluate = make_eval(model, ds, config.get("eval_batch_size", 1024))
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     metrics = _read_metrics(metrics_path, start)
-    with open(metrics_path, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in metrics)
+    if lead:
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in metrics)
+    train_s = metrics[-1].get("train_s", 0.0) if metrics else 0.0
 
     from tqdm import tqdm
 
     per_call, total = config.steps_per_call, config.num_train_steps
     eval_every, ckpt_every = config.get("eval_every", 0), config.get("checkpoint_every", 0)
-    bar = tqdm(total=total, initial=start, unit="step", disable=not config.get("progress", True))
+    show = config.get("progress", True) and lead
+    bar = tqdm(total=total, initial=start, unit="step", disable=not show)
     t0, step, losses = time.perf_counter(), start, []
     while step < total:
+        t_call = time.perf_counter()
         state, call_losses = train_call(state, x_train, y_train)
         state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
+        train_s += time.perf_counter() - t_call
         step += per_call
         losses.extend(np.asarray(call_losses).tolist())
         sent = comm_steps(config, step) * bytes_per_comm
         bar.set_postfix(loss=f"{losses[-1]:.4f}", MB_sent=f"{sent / 1e6:.2f}", refresh=False)
         bar.update(per_call)
         if (eval_every and step % eval_every == 0) or step == total:
-            one = first_worker((state.params, state.batch_stats))
-            row = {
-                "step": step,
-                "loss": float(np.mean(losses)),
-                **evaluate(*one),
-                "wire_bytes": int(sent),
-                "sim_time_s": comm_steps(config, step) * time_per_comm + step * compute_s,
-                "wall_s": time.perf_counter() - t0,
-            }
+            # Worker 0's params live on process 0 (the mesh puts its devices first):
+            # evaluating them needs no communication, and the others go on meanwhile.
+            row = {"step": step, "loss": float(np.mean(losses))}
             losses = []
+            if lead:
+                row.update(evaluate(*distributed.local_row((state.params, state.batch_stats), 0)))
+                row.update(
+                    wire_bytes=int(sent),
+                    sim_time_s=comm_steps(config, step) * time_per_comm + step * compute_s,
+                    train_s=train_s,
+                    compile_s=compile_s,
+                    processes=jax.process_count(),
+                    wall_s=time.perf_counter() - t0,
+                )
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                bar.write(
+                    f"step {step}: loss {row['loss']:.4f} eval_loss {row['eval_loss']:.4f} "
+                    f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB "
+                    f"train {train_s:.2f}s sim {row['sim_time_s']:.3f}s"
+                )
             metrics.append(row)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            bar.write(
-                f"step {step}: loss {row['loss']:.4f} eval_loss {row['eval_loss']:.4f} "
-                f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB sim {row['sim_time_s']:.3f}s"
-            )
         if (ckpt_every and step % ckpt_every == 0) or step == total:
-            save_state(mngr, state)
+            save_state(mngr, step, state)
     bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    if metrics and config.get("plot", True):
+    if lead and metrics and config.get("plot", True):
         plot_metrics(metrics, os.path.join(workdir, "metrics.png"), config.netsim.gbps)
-    return Result(TrainState(*to_host(tuple(state))), metrics)
+    host = distributed.gather(tuple(state))  # every process takes part; keys as key data
+    return Result(TrainState(*host), metrics)
 
 
 def plot_metrics(rows: list[dict], path: str, gbps: float) -> None:

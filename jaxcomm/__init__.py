@@ -1,6 +1,6 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, exchange, netsim, sync
+from jaxcomm import accounting, core, distributed, exchange, netsim, sync
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -27,6 +27,7 @@ __all__ = [
     "dgc",
     "dgc_sgd",
     "diloco",
+    "distributed",
     "ef_sign",
     "exchange",
     "hierarchical",

@@ -98,7 +98,9 @@ def test_resume_equals_uninterrupted(variant, tmp_path):
     assert np.all(part.state.step == 2) and np.all(resumed.state.step == 6)
     assert_bit_equal(resumed.state, full.state)
     assert [r["step"] for r in resumed.metrics] == [2, 4, 6]
-    assert resumed.metrics[-1] == {**full.metrics[-1], "wall_s": resumed.metrics[-1]["wall_s"]}
+    timing = ("wall_s", "train_s", "compile_s")
+    same = lambda row: {k: v for k, v in row.items() if k not in timing}
+    assert same(resumed.metrics[-1]) == same(full.metrics[-1])
     # and training moved the params
     assert not np.array_equal(
         part.state.params["Dense_0"]["kernel"], full.state.params["Dense_0"]["kernel"]
