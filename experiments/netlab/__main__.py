@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--rate", type=str, default="100mbit", help="tc rate, e.g. 10mbit")
     pr.add_argument("--mb", type=str, default="0.25,4", help="sizes in MiB, comma-separated")
     pr.add_argument("--burst", type=str, default=None, help="tbf bucket, e.g. 32kb")
-    pr.add_argument("--no-gso", action="store_true", help="cap veth GSO at one segment")
+    pr.add_argument("--limit", type=str, default=None, help="tbf queue, e.g. 1mb")
+    gso = pr.add_mutually_exclusive_group()
+    gso.add_argument("--gso", dest="gso", action="store_true", default=None, help="GSO on")
+    gso.add_argument("--no-gso", dest="gso", action="store_false", help="one MSS per packet")
     pr.add_argument("--reps", type=int, default=0, help="timed reps (0: ~budget at line rate)")
     pr.add_argument("--budget-s", type=float, default=4.0)
     pr.add_argument("--json", type=Path, default=None, help="append records to this JSON list")
@@ -70,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rate,
         sizes,
         burst=args.burst,
-        gso=not args.no_gso,
+        limit=args.limit,
+        gso=args.gso,
         reps=args.reps,
         budget_s=args.budget_s,
     )

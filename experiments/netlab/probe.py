@@ -64,8 +64,15 @@ def parse_sizes(text: str) -> list[float]:
 
 
 def _counters(iface: str) -> dict[str, int]:
+    """Interface counters and the root tbf's counters (what tbf charged: headers of every
+    segment, even where GSO hands the interface one 64 KiB packet)."""
     stats = Path("/sys/class/net") / iface / "statistics"
-    return {k: int((stats / k).read_text()) for k in ("tx_bytes", "rx_bytes", "tx_packets")}
+    out = {k: int((stats / k).read_text()) for k in ("tx_bytes", "rx_bytes", "tx_packets")}
+    tc = subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", iface], capture_output=True)
+    tbf = [q for q in json.loads(tc.stdout or b"[]") if q.get("kind") == "tbf"]
+    out["tbf_bytes"] = sum(q["bytes"] for q in tbf)
+    out["tbf_drops"] = sum(q["drops"] for q in tbf)
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -124,7 +131,8 @@ def run_probe(
     sizes_mb: list[float],
     *,
     burst: str | int | None = None,
-    gso: bool = True,
+    limit: str | int | None = None,
+    gso: bool | None = None,
     reps: int = 0,
     budget_s: float = 4.0,
     timeout_s: float = 900.0,
@@ -136,7 +144,8 @@ def run_probe(
       rate: tc rate, e.g. ``"100mbit"``.
       sizes_mb: all-reduce sizes in MiB.
       burst: tbf bucket (default: the lab's rule).
-      gso: keep veth GSO/TSO (False caps segments at one MSS).
+      limit: tbf queue (default: the lab's rule).
+      gso: keep veth GSO/TSO (default: the lab's rule).
       reps: timed repetitions per size (0: fill ``budget_s`` at line rate).
       budget_s: seconds of sending to aim for per size.
       timeout_s: kill the workers after this long.
@@ -151,7 +160,7 @@ def run_probe(
     """
     rate_bps = parse_rate(rate)
     sizes = ",".join(str(s) for s in sizes_mb)
-    with Lab(hosts, rate, burst=burst, gso=gso) as lab:
+    with Lab(hosts, rate, burst=burst, limit=limit, gso=gso) as lab:
         procs = []
         for i in range(hosts):
             argv = [
@@ -200,7 +209,7 @@ def run_probe(
 def _summary(recs: list[dict], n: int, rate: str, rate_bps: int, lab: Lab, drops: int) -> dict:
     nbytes = recs[0]["bytes"]
     median_s = max(statistics.median(r["times"]) for r in recs)
-    wire = statistics.mean(r["tx_bytes"] for r in recs)
+    wire = statistics.mean(r["tbf_bytes"] or r["tx_bytes"] for r in recs)
     bound = allreduce_lower_bound(nbytes, n)
     return {
         "rate": rate,
@@ -211,6 +220,7 @@ def _summary(recs: list[dict], n: int, rate: str, rate_bps: int, lab: Lab, drops
         "median_s": median_s,
         "min_s": max(min(r["times"]) for r in recs),
         "wire_tx_bytes": wire,
+        "if_tx_bytes": statistics.mean(r["tx_bytes"] for r in recs),
         "lower_bound_bytes": bound,
         "wire_over_bound": wire / bound if bound else None,
         "utilisation": utilisation(wire, median_s, rate_bps),
@@ -218,7 +228,8 @@ def _summary(recs: list[dict], n: int, rate: str, rate_bps: int, lab: Lab, drops
         "burst_bytes": lab.burst_bytes,
         "limit_bytes": lab.limit_bytes,
         "gso": lab.gso,
-        "tbf_drops": drops,
+        "tbf_drops": round(sum(r["tbf_drops"] for r in recs) * recs[0]["reps"]),
+        "lab_drops": drops,
     }
 
 
