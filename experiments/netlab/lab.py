@@ -147,7 +147,9 @@ def default_limit(rate_bps: int, burst: int) -> int:
     return max(4 * burst, rate_bps // 8 // 10)
 
 
-def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+def _run(argv: str | list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs a command (a string is split on spaces); raises LabError on failure."""
+    argv = argv.split() if isinstance(argv, str) else argv
     proc = subprocess.run(argv, capture_output=True, text=True)
     if check and proc.returncode != 0:
         raise LabError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -279,6 +281,7 @@ class Lab:
         self._created: list[str] = []
         self._prev_handlers: dict[int, object] = {}
         self._open = False
+        self._owner = os.getpid()
 
     # ---- public ----------------------------------------------------------
     @staticmethod
@@ -296,25 +299,7 @@ class Lab:
             _run(["ip", "netns", "add", name])
             _run(["ip", "-n", name, "link", "add", "br0", "type", "bridge"])
             _run(["ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "q0"])
-            _run(
-                [
-                    "tc",
-                    "-n",
-                    name,
-                    "qdisc",
-                    "add",
-                    "dev",
-                    "p0",
-                    "root",
-                    "tbf",
-                    "rate",
-                    "10mbit",
-                    "burst",
-                    "32kb",
-                    "limit",
-                    "64kb",
-                ]
-            )
+            _run(f"tc -n {name} qdisc add dev p0 root tbf rate 10mbit burst 32kb limit 64kb")
         except LabError as e:
             raise LabError(f"network namespaces, veth, bridge or tbf unusable here: {e}") from e
         finally:
@@ -358,7 +343,7 @@ class Lab:
 
     def close(self) -> None:
         """Removes everything the lab created; safe to call twice."""
-        if not self._open:
+        if not self._open or os.getpid() != self._owner:  # a forked child owns nothing
             return
         self._open = False
         atexit.unregister(self.close)
@@ -379,23 +364,8 @@ class Lab:
 
     def _tbf(self, ns: str, dev: str) -> None:
         _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "root",
-                "tbf",
-                "rate",
-                f"{self.rate_bps}bit",
-                "burst",
-                str(self.burst_bytes),
-                "limit",
-                str(self.limit_bytes),
-            ]
+            f"tc -n {ns} qdisc add dev {dev} root tbf rate {self.rate_bps}bit "
+            f"burst {self.burst_bytes} limit {self.limit_bytes}"
         )
 
     def _build(self) -> None:
@@ -407,23 +377,7 @@ class Lab:
         for i, name in enumerate(self.names):
             self._add_netns(name)
             port = f"p{i}"
-            _run(
-                [
-                    "ip",
-                    "-n",
-                    hub,
-                    "link",
-                    "add",
-                    port,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    HOST_IFACE,
-                    "netns",
-                    name,
-                ]
-            )
+            _run(f"ip -n {hub} link add {port} type veth peer name {HOST_IFACE} netns {name}")
             _run(["ip", "-n", hub, "link", "set", port, "master", "br0", "up"])
             _run(["ip", "-n", name, "addr", "add", f"{self.address(i)}/24", "dev", HOST_IFACE])
             _run(["ip", "-n", name, "link", "set", HOST_IFACE, "up"])
