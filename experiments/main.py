@@ -4,6 +4,11 @@ Flags only; everything else is in the config file (see ``experiments/configs``).
 Override any value on the command line, e.g. ``--config.num_train_steps=100``.
 Without real accelerators, 8 fake CPU devices are used (set ``XLA_FLAGS``
 yourself to choose another count).
+
+Several processes: the same command on every process, with
+``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` set
+(``experiments/launch.py`` does that for local processes) or under SLURM
+(``srun``); :func:`jaxcomm.distributed.initialize` reads them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import train
+from jaxcomm import distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
@@ -30,6 +36,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    distributed.initialize()  # several processes if the environment says so; else nothing
     train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
 
 

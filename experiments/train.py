@@ -34,7 +34,6 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -250,6 +249,7 @@ def from_host(host: Any, like: Any) -> Any:
 def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(
         os.path.abspath(os.path.join(workdir, "checkpoints")),
+        item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
     )
 
@@ -272,11 +272,8 @@ def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> Non
 
 def check_checkpoint_workers(mngr: ocp.CheckpointManager, step: int, n: int) -> None:
     """The checkpoint's per-worker state must have this run's worker count."""
-    meta = mngr.item_metadata(step)
-    shape = getattr(getattr(meta, "step", None), "shape", None)
-    if shape is None and isinstance(meta, (tuple, list)):
-        shape = getattr(meta[0], "shape", None)
-    if shape is not None and tuple(shape) != (n,):
+    shape = tuple(getattr(mngr.item_metadata(step), "tree", {})["step"].shape)
+    if shape != (n,):
         raise ValueError(
             f"checkpoint at step {step} holds per-worker state (error-feedback residuals, keys, "
             f"local params) of {shape[0]} workers, but this run has {n}. Resume with "

@@ -170,7 +170,9 @@ def _watchdog(seconds: float, what: str) -> threading.Timer:
     """
 
     def fire():
-        sys.stderr.write(f"\njaxcomm.distributed.initialize: timed out after {seconds:g} s: {what}\n")
+        sys.stderr.write(
+            f"\njaxcomm.distributed.initialize: timed out after {seconds:g} s: {what}\n"
+        )
         sys.stderr.flush()
         os._exit(TIMEOUT_EXIT_CODE)
 

@@ -169,3 +169,14 @@ def test_cifar_pickle_loader(tmp_path):
     assert ds.x_train.shape == (8, 3, 32, 32, 3) and ds.y_train.shape == (8, 3)
     assert ds.x_test.shape == (6, 32, 32, 3) and ds.num_classes == 10
     np.testing.assert_allclose(ds.x_train.reshape(-1, 3).mean(0), 0, atol=1e-5)
+
+
+def test_resume_with_another_worker_count_says_what_the_checkpoint_holds(tmp_path):
+    config = tiny(digits_mlp.get_config(), steps=2, per_call=2)
+    train.train_and_evaluate(config, str(tmp_path))  # 8 workers
+    config = tiny(digits_mlp.get_config(), steps=4, per_call=2)
+    config.n_workers = 4
+    with pytest.raises(
+        ValueError, match=r"holds per-worker state .* of 8 workers, but this run has 4"
+    ):
+        train.train_and_evaluate(config, str(tmp_path))
