@@ -2,7 +2,7 @@
 
 Example:
   >>> from experiments.netlab import Lab
-  >>> with Lab(2, "100mbit") as lab:
+  >>> with Lab(2, "100mbit") as lab:  # doctest: +SKIP
   ...     argv = lab.command(0, ["ping", "-c1", lab.address(1)])
 """
 
