@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         Lab.check()
     except LabError as e:
-        print(f"netlab: {e}", file=sys.stderr)
+        print(e, file=sys.stderr)
         return 2
     if args.cmd == "check":
         print("OK")
