@@ -1,0 +1,316 @@
+r"""Time-to-accuracy on real, shaped links: every method, several rates and process counts.
+
+Command (root, iproute2; ~35 min on 2 CPU cores for the default grid):
+  python -m experiments.netstudy --out=experiments/results/netstudy.json
+Quick look (one model, one rate):
+  python -m experiments.netstudy --models=digits_mlp --rates=100mbit --processes=2
+
+Every cell is a real run: ``experiments.launch`` starts the processes (one fake
+CPU device each, gloo collectives), each in its own network namespace with every
+egress shaped by ``tc ... tbf`` to the rate (``--rates`` entry ``loopback``: no
+lab). ``experiments.main`` trains the digits MLP config's variant for the method
+and process 0 records, after every ``eval_every`` steps, the accuracy and
+``train_s``: the measured wall clock of the training calls (compute, encode,
+exchange, decode; compile and evaluation excluded). Time-to-accuracy is
+``train_s`` at the first evaluation reaching the model's target (the dense
+loopback run's final accuracy minus 1 point).
+
+Cells whose dense exchange would take more than ``--max_run_s`` are run for
+``--probe_steps`` steps only; their time-to-accuracy is the measured time per
+step times the steps the same method needed on loopback (the trajectory does
+not depend on the link: same processes, same arithmetic). They are flagged
+``"extrapolated": true``.
+
+For every shaped cell the JSON also holds jaxcomm.netsim's prediction,
+calibrated on the loopback run of the same cell: measured loopback step time
+(compute, latency, encode/decode) + the bytes the compiled exchange moves
+(``wire_report``, with CPU's bf16->f32 widening of all-reduces) at the shaped
+rate, as TCP goodput over Ethernet (1448 payload bytes per 1514-byte frame).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("models", ["digits_mlp", "wide_mlp"], "models (see MODELS)")
+flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "link rates")
+flags.DEFINE_list("processes", ["2"], "process counts")
+flags.DEFINE_list(
+    "methods",
+    ["dense", "bf16", "topk", "threshold", "dgc", "powersgd", "ef_sign", "local_sgd", "diloco"],
+    "digits_mlp config variants",
+)
+flags.DEFINE_float("max_run_s", 150.0, "longest full run; slower cells are probed and extrapolated")
+flags.DEFINE_integer("probe_steps", 25, "steps measured in an extrapolated cell")
+flags.DEFINE_string("out", "experiments/results/netstudy.json", "JSON written (and updated) here")
+flags.DEFINE_string("workroot", "runs/netstudy", "workdirs of the runs")
+flags.DEFINE_bool("report", False, "only print the markdown tables and write the plot from --out")
+
+# Model overrides on top of experiments/configs/digits_mlp.py.
+MODELS = {
+    "digits_mlp": {"steps": 400, "overrides": []},  # 9.6k params, 38 KB of fp32 gradient
+    "wide_mlp": {  # 1.12M params, 4.5 MB of fp32 gradient: communication dominates
+        "steps": 200,
+        "overrides": ["--config.model.kwargs.hidden=1024", "--config.model.kwargs.depth=2"],
+    },
+}
+ETHERNET_GOODPUT = 1448 / 1514  # TCP payload per Ethernet frame (MTU 1500, timestamps)
+EVERY = 25
+
+
+def _run_cell(model: str, n: int, rate: str, method: str, steps: int) -> dict:
+    workdir = os.path.join(FLAGS.workroot, model, f"n{n}", rate, method)
+    subprocess.run(["rm", "-rf", workdir], check=True)
+    argv = [
+        sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
+        *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
+        sys.executable, "-m", "experiments.main",
+        f"--config=experiments/configs/digits_mlp.py:{method}", f"--workdir={workdir}",
+        f"--config.num_train_steps={steps}", f"--config.steps_per_call={EVERY}",
+        f"--config.eval_every={EVERY}", "--config.checkpoint_every=0",
+        "--config.progress=False", "--config.plot=False", *MODELS[model]["overrides"],
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {
+        "command": " ".join(argv),
+        "process_wall_s": time.perf_counter() - t0,
+        "curve": [
+            {k: r[k] for k in ("step", "accuracy", "train_s", "wire_bytes", "loss")} for r in rows
+        ],
+    }
+
+
+def _comm_prediction(model: str, n: int, method: str, rate_bps: float) -> tuple[float, float]:
+    """(bytes a worker moves per step, netsim seconds per step at ``rate_bps``, no latency)."""
+    import jax
+
+    from experiments import data as data_lib
+    from experiments import models, train
+    from experiments.configs import digits_mlp
+    from jaxcomm import accounting, netsim
+
+    config = digits_mlp.get_config(method)
+    for o in MODELS[model]["overrides"]:
+        key, value = o.removeprefix("--config.").split("=")
+        config.model.kwargs[key.split(".")[-1]] = int(value)
+    tx = train.make_optimizer(config)
+    ds = data_lib.load(config.data, n, seed=0)
+    net = models.build("mlp", num_classes=ds.num_classes, **dict(config.model.kwargs))
+    params = net.init(jax.random.key(0), ds.example_input(), train=False)["params"]
+    report = accounting.wire_report(tx, params, n)
+    # XLA:CPU widens 16-bit float all-reduces to f32 (see jaxcomm.accounting).
+    moved = [
+        c._replace(nbytes=2 * c.nbytes)
+        if c.kind == "all_reduce" and c.dtype in ("bfloat16", "float16")
+        else c
+        for c in report
+    ]
+    link = netsim.Link(rate_bps * ETHERNET_GOODPUT, 0.0)
+    per_comm = netsim.exchange_time(moved, n, link) if moved else 0.0
+    fraction = train.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
+    wire = sum(netsim_bytes(c, n) for c in moved)
+    return wire * fraction, per_comm * fraction
+
+
+def netsim_bytes(c, n: int) -> float:
+    """Bytes one worker sends for a collective (ring all-reduce, all-gather)."""
+    if c.kind == "all_reduce":
+        return 2 * (n - 1) / n * c.nbytes
+    if c.kind == "all_gather":
+        return (n - 1) * c.nbytes
+    return c.nbytes
+
+
+def time_to(curve: list[dict], target: float) -> tuple[float | None, int | None]:
+    for r in curve:
+        if r["accuracy"] >= target:
+            return r["train_s"], r["step"]
+    return None, None
+
+
+def _rate_bps(rate: str) -> float:
+    from experiments.netlab import parse_rate
+
+    return float(parse_rate(rate))
+
+
+def _fmt_s(x: float | None) -> str:
+    return "—" if x is None else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+
+
+def report(results: dict, plot_path: str | None) -> str:
+    """Markdown tables (time-to-accuracy with speedups; netsim vs measured) and a plot."""
+    cells = results["cells"]
+    lines = []
+    groups = sorted({(c["model"], c["n"]) for c in cells})
+    for model, n in groups:
+        mine = [c for c in cells if c["model"] == model and c["n"] == n]
+        rates = [
+            r
+            for r in ("loopback", "1gbit", "100mbit", "10mbit")
+            if any(c["rate"] == r for c in mine)
+        ]
+        methods = list(dict.fromkeys(c["method"] for c in mine))
+        get = {(c["rate"], c["method"]): c for c in mine}
+        lines += [
+            f"**{model}, {n} processes** — time to {100 * results['targets'][model]:.1f}% test "
+            "accuracy, measured seconds of training (× speedup vs dense fp32 / vs bf16; "
+            "* extrapolated from measured steps):",
+            "",
+            "| method | " + " | ".join(rates) + " |",
+            "|---|" + "---|" * len(rates),
+        ]
+        for m in methods:
+            row = []
+            for r in rates:
+                c, d, b = get.get((r, m)), get.get((r, "dense")), get.get((r, "bf16"))
+                if c is None or c["tta_s"] is None:
+                    row.append("not reached" if c else "")
+                    continue
+                txt = _fmt_s(c["tta_s"]) + ("*" if c["extrapolated"] else "")
+                sp = [
+                    f"{x['tta_s'] / c['tta_s']:.2f}×" if x and x["tta_s"] else "—" for x in (d, b)
+                ]
+                row.append(f"{txt} ({sp[0]} / {sp[1]})" if m not in ("dense",) else txt)
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines += [
+            "",
+            f"Step time, measured vs `jaxcomm.netsim` (calibrated on loopback), {model}, "
+            f"{n} processes:",
+            "",
+            "| method | " + " | ".join(f"{r} meas / pred" for r in rates[1:]) + " |",
+            "|---|" + "---|" * (len(rates) - 1),
+        ]
+        for m in methods:
+            row = []
+            for r in rates[1:]:
+                c = get.get((r, m))
+                if c is None or "predicted_step_s" not in c:
+                    row.append("")
+                    continue
+                err = c["step_s"] / c["predicted_step_s"] - 1
+                row.append(
+                    f"{c['step_s'] * 1e3:.1f} / {c['predicted_step_s'] * 1e3:.1f} ms ({err:+.0%})"
+                )
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rates = [
+            r
+            for r in ("loopback", "1gbit", "100mbit", "10mbit")
+            if any(c["rate"] == r for c in cells)
+        ]
+        fig, axes = plt.subplots(
+            len(groups), len(rates), figsize=(3.4 * len(rates), 3 * len(groups)), squeeze=False
+        )
+        for gi, (model, n) in enumerate(groups):
+            for ri, r in enumerate(rates):
+                ax = axes[gi][ri]
+                for c in cells:
+                    if (c["model"], c["n"], c["rate"]) == (model, n, r) and not c["extrapolated"]:
+                        xs = [p["train_s"] for p in c["curve"]]
+                        ax.plot(xs, [100 * p["accuracy"] for p in c["curve"]], label=c["method"])
+                ax.axhline(100 * results["targets"][model], color="gray", lw=0.8, ls="--")
+                ax.set_xscale("log")
+                ax.set_title(f"{model}, n={n}, {r}", fontsize=9)
+                ax.set_xlabel("measured training time (s)")
+                ax.set_ylim(80, 100)
+                ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("test accuracy (%)")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=90)
+        plt.close(fig)
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.report:
+        with open(FLAGS.out) as f:
+            print(report(json.load(f), FLAGS.out.removesuffix(".json") + ".png"))
+        return
+    results = {"cells": [], "targets": {}, "note": __doc__.split("\n\n")[1]}
+    if os.path.exists(FLAGS.out):
+        with open(FLAGS.out) as f:
+            results = json.load(f)
+    done = {(c["model"], c["n"], c["rate"], c["method"]): c for c in results["cells"]}
+
+    def save():
+        results["cells"] = sorted(done.values(), key=lambda c: tuple(map(str, c.values()))[:4])
+        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+        with open(FLAGS.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    rates = ["loopback"] + [r for r in FLAGS.rates if r != "loopback"]
+    for model in FLAGS.models:
+        steps = MODELS[model]["steps"]
+        for n in map(int, FLAGS.processes):
+            for rate in rates:
+                for method in FLAGS.methods:
+                    key = (model, n, rate, method)
+                    if key in done:
+                        continue
+                    base = done.get((model, n, "loopback", method))
+                    cell = {"model": model, "n": n, "rate": rate, "method": method}
+                    full_steps, extrapolated = steps, False
+                    if rate != "loopback":
+                        wire, comm_s = _comm_prediction(model, n, method, _rate_bps(rate))
+                        step_lb = base["train_s"] / base["steps"]
+                        cell.update(
+                            wire_bytes_per_step=wire,
+                            predicted_step_s=step_lb + comm_s,
+                            loopback_step_s=step_lb,
+                        )
+                        if (step_lb + comm_s) * steps > FLAGS.max_run_s:
+                            full_steps, extrapolated = FLAGS.probe_steps, True
+                    run = _run_cell(model, n, rate, method, full_steps)
+                    last = run["curve"][-1]
+                    cell.update(run, steps=last["step"], train_s=last["train_s"])
+                    cell["step_s"] = last["train_s"] / last["step"]
+                    cell["final_accuracy"] = last["accuracy"]
+                    cell["extrapolated"] = extrapolated
+                    if rate == "loopback" and method == "dense":
+                        results["targets"][model] = round(last["accuracy"] - 0.01, 4)
+                    target = results["targets"][model]
+                    if extrapolated:
+                        _, lb_steps = time_to(base["curve"], target)
+                        cell["tta_steps"] = lb_steps
+                        cell["tta_s"] = None if lb_steps is None else lb_steps * cell["step_s"]
+                    else:
+                        cell["tta_s"], cell["tta_steps"] = time_to(run["curve"], target)
+                    done[key] = cell
+                    save()
+                    pred = cell.get("predicted_step_s")
+                    print(
+                        f"{model:10s} n={n} {rate:8s} {method:9s} "
+                        + f"step {cell['step_s'] * 1e3:8.1f} ms"
+                        + (f" (netsim {pred * 1e3:8.1f} ms)" if pred else "")
+                        + f"  acc {cell['final_accuracy']:.4f}  tta "
+                        + (f"{cell['tta_s']:.2f} s" if cell["tta_s"] is not None else "not reached")
+                        + (" (extrapolated)" if extrapolated else ""),
+                        flush=True,
+                    )
+    save()
+    print(report(results, FLAGS.out.removesuffix(".json") + ".png"))
+
+
+if __name__ == "__main__":
+    app.run(main)
