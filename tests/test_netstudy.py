@@ -1,0 +1,32 @@
+"""The network study's own arithmetic: netsim prediction inputs and time-to-accuracy."""
+
+import pytest
+
+from experiments import netstudy
+
+
+def test_dense_prediction_is_ring_allreduce_of_the_gradient_at_goodput():
+    # digits MLP (64-128-10): 64*128 + 128 + 128*10 + 10 = 9610 fp32 entries.
+    n, rate = 2, 100e6
+    wire, seconds = netstudy._comm_prediction("digits_mlp", n, "dense", rate)
+    gradient = 9610 * 4
+    assert wire == pytest.approx(2 * (n - 1) / n * gradient)
+    assert seconds == pytest.approx(wire * 8 / (rate * netstudy.ETHERNET_GOODPUT))
+
+
+def test_bf16_on_cpu_moves_what_dense_moves_and_local_sgd_one_sync_in_eight():
+    dense, _ = netstudy._comm_prediction("digits_mlp", 4, "dense", 1e9)
+    bf16, _ = netstudy._comm_prediction("digits_mlp", 4, "bf16", 1e9)
+    local, _ = netstudy._comm_prediction("digits_mlp", 4, "local_sgd", 1e9)
+    assert bf16 == pytest.approx(dense)  # XLA:CPU widens 16-bit all-reduces to f32
+    assert local == pytest.approx(dense / 8)  # params (same size as grads) every 8 steps
+
+
+def test_time_to_accuracy_takes_the_first_evaluation_that_reaches_the_target():
+    curve = [
+        {"step": 25, "accuracy": 0.90, "train_s": 1.0},
+        {"step": 50, "accuracy": 0.95, "train_s": 2.0},
+        {"step": 75, "accuracy": 0.97, "train_s": 3.0},
+    ]
+    assert netstudy.time_to(curve, 0.95) == (2.0, 50)
+    assert netstudy.time_to(curve, 0.99) == (None, None)
