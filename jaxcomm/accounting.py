@@ -17,6 +17,11 @@ algorithm. A ring all-reduce of S sends ``2(n-1)/n·S`` per worker, an
 all-gather of s sends ``(n-1)·s``; :mod:`jaxcomm.netsim` turns a report into
 time with those formulas.
 
+Both views count collectives as well as bytes (:func:`wire_count`,
+:func:`collective_count`): over real processes each collective pays a fixed
+latency, which is why jaxcomm packs payloads into buckets
+(:mod:`jaxcomm.buckets`), one collective per bucket.
+
 Backend differences (why the two views can differ): XLA:CPU promotes bf16
 all-reduces and all-gathers to float32 (the HLO shows ``f32`` and
 ``to_apply=..._promoted``), so a bf16 payload moves 4 bytes per entry on CPU;
@@ -42,9 +47,11 @@ from jaxcomm.exchange import Collective
 __all__ = [
     "Collective",
     "collective_bytes",
+    "collective_count",
     "hlo_collectives",
     "traffic_bytes",
     "wire_bytes",
+    "wire_count",
     "wire_report",
 ]
 
@@ -130,6 +137,26 @@ def wire_bytes(
     return sum(
         c.nbytes for c in wire_report(tx, params, n_workers) if axis is None or c.axis == axis
     )
+
+
+def wire_count(
+    tx: optax.GradientTransformation,
+    params: Any,
+    n_workers: int | Mapping[str, int],
+    *,
+    axis: Any = None,
+) -> int:
+    """Number of collectives one worker takes part in during one step of ``tx``.
+
+    ``len(wire_report(...))`` (restricted to mesh axis ``axis`` if given): with
+    tensor fusion on, one per bucket (plus e.g. an 8-byte key agreement).
+    :func:`collective_count` reads the same number out of compiled HLO.
+
+    Example:
+      >>> jaxcomm.accounting.wire_count(jaxcomm.allreduce(axis_name="data"), params, 8)
+      1
+    """
+    return sum(1 for c in wire_report(tx, params, n_workers) if axis is None or c.axis == axis)
 
 
 def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:
@@ -228,7 +255,9 @@ def hlo_collectives(compiled: Any, *, n_devices: int | None = None) -> list[Coll
     Returns:
       One :class:`jaxcomm.exchange.Collective` per collective instruction;
       ``nbytes`` is the operand size per participant (all-gather: result /
-      group size; reduce-scatter: result × group size), ``axis`` the group size.
+      group size; reduce-scatter: result × group size), ``axis`` the group size,
+      ``operands`` the number of arrays the instruction carries (XLA may
+      combine several all-reduces into one multi-operand instruction).
     """
     out = []
     for line in _hlo_text(compiled).splitlines():
@@ -239,7 +268,8 @@ def hlo_collectives(compiled: Any, *, n_devices: int | None = None) -> list[Coll
         shapes = _shapes(m.group("type"))
         if not shapes:
             continue
-        if m.group("start") and op in ("all-gather", "collective-permute") and len(shapes) >= 2:
+        async_pair = m.group("start") and op in ("all-gather", "collective-permute")
+        if async_pair and len(shapes) >= 2:
             # async start: result is (operands..., outputs...); keep the operands.
             shapes = shapes[: len(shapes) // 2]
             group = 1
@@ -251,7 +281,7 @@ def hlo_collectives(compiled: Any, *, n_devices: int | None = None) -> list[Coll
         elif op == "reduce-scatter":
             nbytes *= group
         dt, dims = shapes[0]
-        out.append(Collective(_KINDS[op], group, nbytes, dt, dims))
+        out.append(Collective(_KINDS[op], group, nbytes, dt, dims, len(shapes)))
     return out
 
 
@@ -263,3 +293,19 @@ def collective_bytes(compiled: Any, *, n_devices: int | None = None) -> int:
       >>> jaxcomm.accounting.collective_bytes(compiled)
     """
     return sum(c.nbytes for c in hlo_collectives(compiled, n_devices=n_devices))
+
+
+def collective_count(compiled: Any, *, operands: bool = False) -> int:
+    """Number of collective instructions in a compiled program.
+
+    Args:
+      compiled: as for :func:`hlo_collectives`.
+      operands: count operands instead of instructions (an all-reduce that
+        XLA combined from k all-reduces counts k; on XLA:CPU each operand is
+        a separate exchange).
+
+    Example:
+      >>> jaxcomm.accounting.collective_count(jax.jit(step).lower(*args).compile())
+    """
+    found = hlo_collectives(compiled)
+    return sum(c.operands for c in found) if operands else len(found)

@@ -40,7 +40,11 @@ class Collective(NamedTuple):
       nbytes: bytes this worker contributes: the operand size (for an
         all-reduce the whole payload S, for an all-gather the worker's piece).
       dtype: dtype name of the operand as the algorithm sends it.
-      shape: operand shape.
+      shape: operand shape (the first operand's, for several).
+      operands: number of operands (arrays) the one collective carries:
+        always 1 for what jaxcomm issues; compiled HLO may combine several
+        collectives into one instruction with several operands (XLA:CPU then
+        still exchanges them one by one).
     """
 
     kind: str
@@ -48,6 +52,7 @@ class Collective(NamedTuple):
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+    operands: int = 1
 
 
 class _Ledger:

@@ -614,7 +614,13 @@ def exchange_time(
     """Seconds for a list of collectives run one after another (no fusion).
 
     Duck-typed: any objects with ``.kind`` and ``.nbytes`` (and optionally
-    ``.axis``), e.g. :func:`jaxcomm.accounting.wire_report`'s output.
+    ``.axis`` and ``.operands``), e.g. :func:`jaxcomm.accounting.wire_report`'s
+    output. The latency term is charged per collective — α × collectives +
+    bytes / rate — so a transform that buckets its payloads
+    (:mod:`jaxcomm.buckets`) pays it once per bucket, not once per leaf. A
+    compiled multi-operand collective (``operands`` > 1, from
+    :func:`jaxcomm.accounting.hlo_collectives`) pays it once per operand, as
+    XLA:CPU exchanges the operands one by one.
 
     Args:
       collectives: the collectives, each one message.
@@ -637,6 +643,9 @@ def exchange_time(
     for c in collectives:
         axis = getattr(c, "axis", None)
         total += _one_collective(c.kind, c.nbytes, axis, n, target, algorithm, axis_links)
+        extra = int(getattr(c, "operands", 1)) - 1
+        if extra > 0:  # latency only: the bytes are already counted
+            total += extra * _one_collective(c.kind, 0, axis, n, target, algorithm, axis_links)
     return total
 
 

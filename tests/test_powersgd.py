@@ -214,15 +214,18 @@ def test_wire_bytes_and_hlo_match_the_formula():
     tx = jaxcomm.powersgd(r, key=KEY, axis_name="data")
     assert jaxcomm.wire_bytes(tx, params, H.N) == expected
     report = jaxcomm.accounting.wire_report(tx, params, H.N)
-    # one all-reduce of all P's, one of all Q's, one per dense leaf
-    assert sorted(c.nbytes for c in report) == sorted(
-        [(64 + 16) * r * 4, (32 + 72) * r * 4, 32 * 4, 16 * 4]
-    )
+    # one bucket: one all-reduce of all P's with the dense leaves, one of all Q's
+    assert [c.nbytes for c in report] == [(64 + 16) * r * 4 + 32 * 4 + 16 * 4, (32 + 72) * r * 4]
+    per_leaf = jaxcomm.powersgd(r, key=KEY, axis_name="data", bucket_bytes=None)
+    assert sorted(
+        c.nbytes for c in jaxcomm.accounting.wire_report(per_leaf, params, H.N)
+    ) == sorted([64 * r * 4, 16 * r * 4, 32 * r * 4, 72 * r * 4, 32 * 4, 16 * 4])
     g = H.per_worker_grads(params, seed=0)
     compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(params)))
     assert jaxcomm.accounting.collective_bytes(compiled) == expected
-    # P and Q are separate all-reduces in the program (Q depends on P)
-    assert len(jaxcomm.accounting.hlo_collectives(compiled)) >= 2
+    # P and Q are separate single-operand all-reduces in the program (Q depends on P)
+    hlo = jaxcomm.accounting.hlo_collectives(compiled)
+    assert [(c.nbytes, c.operands) for c in hlo] == [(c.nbytes, 1) for c in report]
     dense_fp32 = sum(x.size for x in params.values()) * 4
     assert expected < dense_fp32 / 4
 

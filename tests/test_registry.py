@@ -2,7 +2,8 @@
 
 Add every new public transform to REGISTRY (key ``name`` or ``name:variant``):
 ``test_registry_is_complete`` fails otherwise. Each entry builds the
-transform for a given axis_name.
+transform for a given axis_name; extra keyword options (``bucket_bytes``)
+go to the jaxcomm transform that communicates (tests/test_buckets.py).
 """
 
 import inspect
@@ -19,67 +20,77 @@ from tests import helpers as H
 KEY = jax.random.key(0)
 
 REGISTRY = {
-    "allreduce": lambda ax: jaxcomm.allreduce(axis_name=ax),
-    "cast": lambda ax: jaxcomm.cast(jnp.bfloat16, axis_name=ax, min_size=64),
-    "cast:fp16_gather": lambda ax: jaxcomm.cast(
-        jnp.float16, axis_name=ax, accumulate="all_gather", min_size=64
+    "allreduce": lambda ax, **kw: jaxcomm.allreduce(axis_name=ax, **kw),
+    "cast": lambda ax, **kw: jaxcomm.cast(jnp.bfloat16, axis_name=ax, **kw, min_size=64),
+    "cast:fp16_gather": lambda ax, **kw: jaxcomm.cast(
+        jnp.float16, axis_name=ax, **kw, accumulate="all_gather", min_size=64
     ),
-    "topk": lambda ax: jaxcomm.topk(0.05, axis_name=ax, min_size=64),
-    "topk:global": lambda ax: jaxcomm.topk(0.05, axis_name=ax, scope="global", min_size=64),
-    "randomk": lambda ax: jaxcomm.randomk(0.05, key=KEY, axis_name=ax, min_size=64),
-    "randomk:per_worker": lambda ax: jaxcomm.randomk(
+    "topk": lambda ax, **kw: jaxcomm.topk(0.05, axis_name=ax, **kw, min_size=64),
+    "topk:global": lambda ax, **kw: jaxcomm.topk(
+        0.05, axis_name=ax, **kw, scope="global", min_size=64
+    ),
+    "randomk": lambda ax, **kw: jaxcomm.randomk(0.05, key=KEY, axis_name=ax, **kw, min_size=64),
+    "randomk:per_worker": lambda ax, **kw: jaxcomm.randomk(
         0.05,
         key=KEY,
         axis_name=ax,
+        **kw,
         shared_indices=False,
         error_feedback=False,
         sampling="stratified",
         min_size=64,
     ),
-    "threshold": lambda ax: jaxcomm.threshold(0.05, axis_name=ax, min_size=64),
-    "int8": lambda ax: jaxcomm.int8(key=KEY, bucket_size=100, axis_name=ax, min_size=64),
-    "int8:nearest_ef": lambda ax: jaxcomm.int8(
-        stochastic=False, axis_name=ax, error_feedback=True, min_size=64
+    "threshold": lambda ax, **kw: jaxcomm.threshold(0.05, axis_name=ax, **kw, min_size=64),
+    "int8": lambda ax, **kw: jaxcomm.int8(
+        key=KEY, bucket_size=100, axis_name=ax, **kw, min_size=64
     ),
-    "qsgd": lambda ax: jaxcomm.qsgd(16, key=KEY, bucket_size=100, axis_name=ax, min_size=64),
-    "qsgd:s1_ef": lambda ax: jaxcomm.qsgd(
-        1, key=KEY, bucket_size=100, axis_name=ax, error_feedback=True, min_size=64
+    "int8:nearest_ef": lambda ax, **kw: jaxcomm.int8(
+        stochastic=False, axis_name=ax, **kw, error_feedback=True, min_size=64
     ),
-    "terngrad": lambda ax: jaxcomm.terngrad(key=KEY, axis_name=ax, min_size=64),
-    "terngrad:gather": lambda ax: jaxcomm.terngrad(
-        key=KEY, axis_name=ax, clip_sigma=None, share_scale=False, min_size=64
+    "qsgd": lambda ax, **kw: jaxcomm.qsgd(
+        16, key=KEY, bucket_size=100, axis_name=ax, **kw, min_size=64
     ),
-    "onebit": lambda ax: jaxcomm.onebit(axis_name=ax, min_size=64),
-    "onebit:bucket": lambda ax: jaxcomm.onebit(axis_name=ax, bucket_size=20, min_size=64),
-    "ef_sign": lambda ax: jaxcomm.ef_sign(axis_name=ax, min_size=64),
-    "sign_majority": lambda ax: jaxcomm.sign_majority(axis_name=ax, min_size=64),
-    "twobit": lambda ax: jaxcomm.twobit(0.5, axis_name=ax, min_size=64),
-    "dgc": lambda ax: jaxcomm.dgc(0.05, axis_name=ax, min_size=64),
-    "dgc:warmup_nesterov_clip": lambda ax: jaxcomm.dgc(
-        0.05, axis_name=ax, min_size=64, warmup_steps=8, nesterov=True, clip_norm=1.0
+    "qsgd:s1_ef": lambda ax, **kw: jaxcomm.qsgd(
+        1, key=KEY, bucket_size=100, axis_name=ax, **kw, error_feedback=True, min_size=64
     ),
-    "dgc:no_correction": lambda ax: jaxcomm.dgc(
-        0.05, axis_name=ax, min_size=64, momentum=0.0, momentum_correction=False
+    "terngrad": lambda ax, **kw: jaxcomm.terngrad(key=KEY, axis_name=ax, **kw, min_size=64),
+    "terngrad:gather": lambda ax, **kw: jaxcomm.terngrad(
+        key=KEY, axis_name=ax, **kw, clip_sigma=None, share_scale=False, min_size=64
     ),
-    "dgc_sgd": lambda ax: jaxcomm.dgc_sgd(0.1, 0.05, axis_name=ax, min_size=64),
-    "powersgd": lambda ax: jaxcomm.powersgd(2, key=KEY, axis_name=ax),
-    "powersgd:rank4_batched_start1": lambda ax: jaxcomm.powersgd(
-        4, key=KEY, axis_name=ax, batch_same_shape=True, start_iter=1, min_compression_rate=1
+    "onebit": lambda ax, **kw: jaxcomm.onebit(axis_name=ax, **kw, min_size=64),
+    "onebit:bucket": lambda ax, **kw: jaxcomm.onebit(
+        axis_name=ax, **kw, bucket_size=20, min_size=64
     ),
-    "powersgd:rank1_no_warm_start_no_ef": lambda ax: jaxcomm.powersgd(
-        1, key=KEY, axis_name=ax, warm_start=False, error_feedback=False
+    "ef_sign": lambda ax, **kw: jaxcomm.ef_sign(axis_name=ax, **kw, min_size=64),
+    "sign_majority": lambda ax, **kw: jaxcomm.sign_majority(axis_name=ax, **kw, min_size=64),
+    "twobit": lambda ax, **kw: jaxcomm.twobit(0.5, axis_name=ax, **kw, min_size=64),
+    "dgc": lambda ax, **kw: jaxcomm.dgc(0.05, axis_name=ax, **kw, min_size=64),
+    "dgc:warmup_nesterov_clip": lambda ax, **kw: jaxcomm.dgc(
+        0.05, axis_name=ax, **kw, min_size=64, warmup_steps=8, nesterov=True, clip_norm=1.0
+    ),
+    "dgc:no_correction": lambda ax, **kw: jaxcomm.dgc(
+        0.05, axis_name=ax, **kw, min_size=64, momentum=0.0, momentum_correction=False
+    ),
+    "dgc_sgd": lambda ax, **kw: jaxcomm.dgc_sgd(0.1, 0.05, axis_name=ax, **kw, min_size=64),
+    "powersgd": lambda ax, **kw: jaxcomm.powersgd(2, key=KEY, axis_name=ax, **kw),
+    "powersgd:rank4_batched_start1": lambda ax, **kw: jaxcomm.powersgd(
+        4, key=KEY, axis_name=ax, **kw, batch_same_shape=True, start_iter=1, min_compression_rate=1
+    ),
+    "powersgd:rank1_no_warm_start_no_ef": lambda ax, **kw: jaxcomm.powersgd(
+        1, key=KEY, axis_name=ax, **kw, warm_start=False, error_feedback=False
     ),
 }
 # sync wrappers around an inner optimizer (trivial settings: they must still pass every test)
 REGISTRY.update(
     {
-        "accumulate": lambda ax: jaxcomm.accumulate(
-            optax.chain(jaxcomm.topk(0.05, axis_name=ax, min_size=64), optax.sgd(0.1)), every=1
+        "accumulate": lambda ax, **kw: jaxcomm.accumulate(
+            optax.chain(jaxcomm.topk(0.05, axis_name=ax, **kw, min_size=64), optax.sgd(0.1)),
+            every=1,
         ),
-        "delayed_averaging": lambda ax: jaxcomm.delayed_averaging(
-            optax.sgd(0.1), delay=0, axis_name=ax
+        "delayed_averaging": lambda ax, **kw: jaxcomm.delayed_averaging(
+            optax.sgd(0.1), delay=0, axis_name=ax, **kw
         ),
-        "stale": lambda ax: jaxcomm.stale(jaxcomm.allreduce(axis_name=ax), staleness=0),
+        "stale": lambda ax, **kw: jaxcomm.stale(jaxcomm.allreduce(axis_name=ax, **kw), staleness=0),
     }
 )
 # Public callables that are not transforms.

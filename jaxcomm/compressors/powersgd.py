@@ -24,7 +24,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import core, exchange
+from jaxcomm import buckets, core, exchange
 from jaxcomm.exchange import AxisName
 
 __all__ = ["PowerSGDState", "powersgd", "orthogonalize"]
@@ -162,6 +162,7 @@ def powersgd(
     orthogonalization_epsilon: float = 0.0,
     batch_same_shape: bool = False,
     matrix_view: str = "first",
+    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
 
@@ -178,9 +179,11 @@ def powersgd(
 
     and keeps ``Q̄`` for the next step (warm start). Other leaves (biases,
     norms, small matrices) are averaged densely in their own dtype, without
-    error feedback. All compressed leaves share the two all-reduces (their
-    P's, then their Q's, are concatenated). Wire per worker per step:
-    ``Σ (a+b)·r·4`` bytes (P and Q are float32) plus the dense leaves' bytes.
+    error feedback. The compressed leaves' P's, then their Q's, are packed
+    into buckets of ``bucket_bytes`` (one all-reduce per bucket, as torch's
+    hook does per DDP bucket); the dense leaves ride in the P all-reduce's
+    buckets of their dtype. Wire per worker per step: ``Σ (a+b)·r·4`` bytes
+    (P and Q are float32) plus the dense leaves' bytes.
 
     The error is the paper's local one (Algorithm 2, "memorize local
     errors"), ``M_w − P̂ Q_wᵀ``; torch's DDP hook keeps ``M_w − P̂ Q̄ᵀ``
@@ -191,8 +194,8 @@ def powersgd(
     setting, and ours, 2), ``start_iter`` = ``start_powerSGD_iter`` (torch's
     default 1000; ours 0), ``min_compression_rate``, ``error_feedback`` =
     ``use_error_feedback``, ``warm_start``, ``orthogonalization_epsilon``,
-    ``batch_same_shape`` = ``batch_tensors_with_same_shape``. Unlike torch,
-    leaves are not bucketed: each leaf is its own matrix.
+    ``batch_same_shape`` = ``batch_tensors_with_same_shape``. As in torch,
+    each leaf is its own matrix; only the transport is bucketed.
 
     Apply momentum after this transform (``optax.sgd(lr, momentum=0.9)``), as
     the paper does.
@@ -223,6 +226,10 @@ def powersgd(
         (conv ``(kh, kw, in, out)`` would otherwise be a kh-row matrix;
         Dense ``(in, out)`` is the same matrix either way). Both are plain
         reshapes, no transposes.
+      bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
+        of at most this many bytes, one all-reduce each, filled from the last
+        leaf to the first; then all Q's likewise. Default 25 MiB (DDP's);
+        ``None`` or 0: one all-reduce per matrix. Bit-identical results.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`.
@@ -255,6 +262,7 @@ def powersgd(
     if matrix_view not in ("first", "last"):
         raise ValueError(f"matrix_view: expected 'first' or 'last', got {matrix_view!r}")
     raw_key = core._raw_key(key)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -269,7 +277,7 @@ def powersgd(
         )
 
     def dense_step(grads, state):
-        out = [g if axis_name is None else exchange.pmean(g, axis_name) for g in grads]
+        out = grads if axis_name is None else buckets.pmean(grads, axis_name, bucket_bytes)
         return out, state.key, state.q, state.residual, state.nonfinite
 
     def power_step(grads, state, treedef):
@@ -277,12 +285,11 @@ def powersgd(
         comp = [i for i, leaf in enumerate(plan) if leaf is not None]
         residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
         outputs: list[jax.Array | None] = [None] * len(grads)
-        for i, leaf in enumerate(plan):
-            if leaf is None:
-                g = grads[i]
-                outputs[i] = g if axis_name is None else exchange.pmean(g, axis_name)
+        dense = [i for i, leaf in enumerate(plan) if leaf is None]
         if not comp:
-            return outputs, state.key, state.q, state.residual, state.nonfinite
+            if axis_name is not None:
+                grads = buckets.pmean(grads, axis_name, bucket_bytes)
+            return grads, state.key, state.q, state.residual, state.nonfinite
 
         new_key = state.key
         if warm_start:
@@ -311,14 +318,23 @@ def powersgd(
         m_b = [jnp.stack([ms[i] for i in grp]) for grp in groups]  # (k, a, b)
         q_b = [jnp.stack([q_of[i] for i in grp]) for grp in groups]  # (k, b, r)
 
-        # All-reduce 1: P = Σ_w M_w Q, all groups in one vector.
+        # All-reduce 1: P = Σ_w M_w Q, bucketed; the dense leaves' sums ride along.
         p_b = [m @ q for m, q in zip(m_b, q_b)]
-        p_b = _sum_over_workers(p_b)
+        order = sorted(
+            [(i, ("dense", i)) for i in dense] + [(g[0], ("p", j)) for j, g in enumerate(groups)]
+        )
+        arrays = {("dense", i): grads[i] for i in dense}
+        arrays.update({("p", j): p for j, p in enumerate(p_b)})
+        summed = dict(zip([t for _, t in order], _sum_over_workers([arrays[t] for _, t in order])))
+        n = 1 if axis_name is None else exchange.axis_size(axis_name)
+        for i in dense:
+            s = summed[("dense", i)]
+            outputs[i] = s if axis_name is None else s / jnp.asarray(n, s.dtype)
+        p_b = [summed[("p", j)] for j in range(len(groups))]
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in p_b]))
         p_hat = [orthogonalize(p, eps) for p in p_b]
         # All-reduce 2: Q̄ = mean_w M_wᵀ P̂.
         q_w = [jnp.swapaxes(m, 1, 2) @ ph for m, ph in zip(m_b, p_hat)]
-        n = 1 if axis_name is None else exchange.axis_size(axis_name)
         q_mean = [q / n for q in _sum_over_workers(q_w)]
 
         new_q = dict(q_of)
@@ -343,16 +359,10 @@ def powersgd(
         return outputs, new_key, q_state, residual, nonfinite
 
     def _sum_over_workers(arrays: list[jax.Array]) -> list[jax.Array]:
-        """Σ over workers of every array, in one all-reduce of their concatenation."""
+        """Σ over workers of every array (in leaf order): one all-reduce per bucket."""
         if axis_name is None:
             return arrays
-        flat = jnp.concatenate([x.reshape(-1) for x in arrays])
-        total = exchange.psum(flat, axis_name)
-        out, offset = [], 0
-        for x in arrays:
-            out.append(total[offset : offset + x.size].reshape(x.shape))
-            offset += x.size
-        return out
+        return buckets.psum(arrays, axis_name, bucket_bytes)
 
     def update_fn(updates, state, params=None):
         del params

@@ -17,6 +17,7 @@ import optax
 from jax import lax
 
 from jaxcomm import core
+from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.exchange import AxisName
 
 
@@ -74,6 +75,7 @@ def topk(
     error_feedback: bool = True,
     scope: str = "leaf",
     min_size: int = 1024,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback.
 
@@ -90,6 +92,10 @@ def topk(
       scope: ``"leaf"`` (k per leaf) or ``"global"`` (k of the whole
         flattened tree of compressible leaves).
       min_size: leaves with fewer entries are averaged densely.
+      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
+        collective per bucket of at most this many bytes, filled from the last
+        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
+        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -108,6 +114,7 @@ def topk(
         error_feedback=error_feedback,
         min_size=min_size,
         scope=scope,
+        bucket_bytes=bucket_bytes,
     )
 
 
@@ -194,6 +201,7 @@ def randomk(
     shared_indices: bool = True,
     sampling: str = "uniform",
     min_size: int = 1024,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Random-k sparsification.
 
@@ -215,6 +223,10 @@ def randomk(
         d) or ``"stratified"`` (one uniform index in each of k equal strata;
         costs k random numbers). See :class:`RandomK`.
       min_size: leaves with fewer entries are averaged densely.
+      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
+        collective per bucket of at most this many bytes, filled from the last
+        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
+        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -237,7 +249,12 @@ def randomk(
         sampling=sampling,
     )
     return core.compress(
-        comp, axis_name=axis_name, error_feedback=error_feedback, min_size=min_size, key=key
+        comp,
+        axis_name=axis_name,
+        error_feedback=error_feedback,
+        min_size=min_size,
+        key=key,
+        bucket_bytes=bucket_bytes,
     )
 
 
@@ -359,6 +376,7 @@ def threshold(
     sample_ratio: float | None = 0.01,
     error_feedback: bool = True,
     min_size: int = 1024,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Fast sparsification: blocked top-k with a sampled threshold and a static cap.
 
@@ -382,6 +400,10 @@ def threshold(
       error_feedback: keep unsent entries in a residual. Strongly advised:
         without it, entries beyond one per block are lost.
       min_size: leaves with fewer entries are averaged densely.
+      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
+        collective per bucket of at most this many bytes, filled from the last
+        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
+        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -401,6 +423,7 @@ def threshold(
         axis_name=axis_name,
         error_feedback=error_feedback,
         min_size=min_size,
+        bucket_bytes=bucket_bytes,
     )
 
 

@@ -1,0 +1,294 @@
+"""Tensor fusion benchmark: collectives per step and step time, buckets off vs on.
+
+Two parts:
+
+* **8 fake CPU devices** (one process): for the digits-MLP tree (hidden 256,
+  4 leaves, 19k params) and the Flax ResNet-18 tree (``experiments.models.ResNet``,
+  stages 64-512, 2 blocks, 62 leaves, 11.2M params), every transform's
+  ``update`` under ``shard_map``: collective instructions and operands in the
+  compiled HLO, and the median step time, with ``bucket_bytes=None`` (one
+  collective per leaf) and the default 25 MiB buckets.
+* **2 real processes on loopback** (gloo, one CPU device each, started here
+  as two subprocesses with ``jax.distributed``): the dense step of the MLP
+  tree with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written
+  step that concatenates the gradients and does one ``pmean``; and the gloo
+  latency α, fitted as the slope of the best step time over k chained
+  4-byte all-reduces (k = 1..16).
+
+Quote ratios from one run, not absolute times: the machine is shared.
+
+  python -m experiments.bench_buckets               # both parts, ~10 min on 2 cores
+  python -m experiments.bench_buckets --part=procs  # only the 2-process part
+
+Writes ``experiments/results/buckets.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("part", "all", ["all", "devices", "procs"], "which part to run")
+flags.DEFINE_integer("reps", 5, "timed steps per case (median)")
+flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
+flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
+flags.DEFINE_integer("port", 0, "internal: coordinator port")
+flags.DEFINE_string("trees", "mlp,resnet18", "trees for the fake-device part")
+
+
+def _transforms(key):
+    import jax.numpy as jnp
+
+    import jaxcomm
+
+    ax = "data"
+    return {
+        "allreduce": lambda **kw: jaxcomm.allreduce(axis_name=ax, **kw),
+        "cast": lambda **kw: jaxcomm.cast(jnp.bfloat16, axis_name=ax, **kw),
+        "int8": lambda **kw: jaxcomm.int8(key=key, axis_name=ax, **kw),
+        "qsgd": lambda **kw: jaxcomm.qsgd(16, key=key, axis_name=ax, **kw),
+        "terngrad": lambda **kw: jaxcomm.terngrad(key=key, axis_name=ax, **kw),
+        "onebit": lambda **kw: jaxcomm.onebit(axis_name=ax, **kw),
+        "ef_sign": lambda **kw: jaxcomm.ef_sign(axis_name=ax, **kw),
+        "sign_majority": lambda **kw: jaxcomm.sign_majority(axis_name=ax, **kw),
+        "twobit": lambda **kw: jaxcomm.twobit(0.5, axis_name=ax, **kw),
+        "topk": lambda **kw: jaxcomm.topk(0.01, axis_name=ax, **kw),
+        "randomk": lambda **kw: jaxcomm.randomk(0.01, key=key, axis_name=ax, **kw),
+        "threshold": lambda **kw: jaxcomm.threshold(0.01, axis_name=ax, **kw),
+        "powersgd": lambda **kw: jaxcomm.powersgd(2, key=key, axis_name=ax, **kw),
+        "dgc": lambda **kw: jaxcomm.dgc(0.01, axis_name=ax, **kw),
+    }
+
+
+def _trees():
+    import jax
+    import jax.numpy as jnp
+
+    from experiments import digits, models
+
+    def resnet18():
+        model = models.ResNet(num_classes=10, stages=(64, 128, 256, 512), blocks=2)
+        v = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+        return v["params"]
+
+    def mlp():
+        return jax.eval_shape(lambda: digits.init_params("mlp", jax.random.key(0), hidden=256))
+
+    return {"mlp": mlp, "resnet18": resnet18}
+
+
+def _median_time(fn, args, reps, best=False):
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[0] if best else times[len(times) // 2]
+
+
+def devices_part(reps: int) -> list[dict]:
+    """Collectives and step time per transform on 8 fake devices, buckets off / on."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomm import accounting
+
+    n = 8
+    mesh = jax.make_mesh((n,), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    rows = []
+    for tree_name in FLAGS.trees.split(","):
+        shapes = _trees()[tree_name]()
+        leaves = len(jax.tree.leaves(shapes))
+        rng = np.random.default_rng(0)
+        grads = jax.tree.map(
+            lambda s, rng=rng: jax.device_put(
+                jnp.asarray(rng.normal(size=(n,) + s.shape), s.dtype), sh
+            ),
+            shapes,
+        )
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        for name, make in _transforms(jax.random.key(0)).items():
+            row = {"tree": tree_name, "leaves": leaves, "transform": name}
+            for label, kw in (("per_leaf", {"bucket_bytes": None}), ("bucketed", {})):
+                tx = make(**kw)
+
+                def f(g, s, tx=tx):
+                    u, s = tx.update(
+                        jax.tree.map(lambda x: x[0], g), jax.tree.map(lambda x: x[0], s)
+                    )
+                    return u, jax.tree.map(lambda x: x[None], s)
+
+                step = jax.jit(
+                    jax.shard_map(
+                        f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=(P(), P("data"))
+                    )
+                )
+                state = jax.tree.map(
+                    lambda x: jax.device_put(jnp.broadcast_to(x[None], (n,) + x.shape), sh),
+                    tx.init(params),
+                )
+                compiled = step.lower(grads, state).compile()
+                hlo = accounting.hlo_collectives(compiled)
+                row[f"{label}_ops"] = len(hlo)
+                row[f"{label}_operands"] = sum(c.operands for c in hlo)
+                row[f"{label}_wire_count"] = accounting.wire_count(tx, shapes, n)
+                row[f"{label}_step_s"] = _median_time(compiled, (grads, state), reps)
+            row["time_ratio"] = row["bucketed_step_s"] / row["per_leaf_step_s"]
+            print(
+                f"{tree_name:9s} {name:14s} ops {row['per_leaf_ops']:3d} "
+                f"({row['per_leaf_operands']:3d} operands) -> {row['bucketed_ops']:2d} "
+                f"({row['bucketed_operands']:2d}); "
+                f"step bucketed/per-leaf {row['time_ratio']:.2f}",
+                flush=True,
+            )
+            rows.append(row)
+    return rows
+
+
+# --- two real processes ---------------------------------------------------------------
+
+
+def _worker(pid: int, port: int, reps: int) -> None:
+    """One of two gloo processes: time the dense MLP step three ways, and α."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, pid, initialization_timeout=60)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    shapes = _trees()["mlp"]()
+    rng = np.random.default_rng(pid)
+
+    def put(tree):
+        return jax.tree.map(
+            lambda s: jax.make_array_from_process_local_data(
+                sh, np.asarray(rng.normal(size=(1,) + s.shape), np.float32)
+            ),
+            tree,
+        )
+
+    grads = put(shapes)
+
+    def sharded(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
+
+    def jaxcomm_step(tx):
+        state = tx.init(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+        return sharded(lambda g: tx.update(jax.tree.map(lambda x: x[0], g), state)[0])
+
+    def fused(g):
+        leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
+        flat = jax.lax.pmean(jnp.concatenate([x.reshape(-1) for x in leaves]), "data")
+        out, off = [], 0
+        for x in leaves:
+            out.append(flat[off : off + x.size].reshape(x.shape))
+            off += x.size
+        return treedef.unflatten(out)
+
+    cases = {
+        "allreduce_bucketed": jaxcomm_step(jaxcomm.allreduce(axis_name="data")),
+        "allreduce_per_leaf": jaxcomm_step(jaxcomm.allreduce(axis_name="data", bucket_bytes=None)),
+        "hand_fused_pmean": sharded(fused),
+    }
+    result = {}
+    for _ in range(2):  # interleave the cases twice, keep the better median
+        for name, fn in cases.items():
+            t = _median_time(fn, (grads,), reps)
+            result[name] = min(result.get(name, t), t)
+    # α: k chained 4-byte all-reduces (bucket_bytes=1: one bucket, one all-reduce, each)
+    alpha = {}
+    for k in (1, 2, 4, 8, 16):
+        tiny = {f"x{i:02d}": jax.ShapeDtypeStruct((1,), jnp.float32) for i in range(k)}
+        g = put(tiny)
+        tx = jaxcomm.allreduce(axis_name="data", bucket_bytes=1)
+        fn = sharded(lambda g, tx=tx: tx.update(jax.tree.map(lambda x: x[0], g), tx.init(None))[0])
+        alpha[k] = _median_time(fn, (g,), 4 * reps, best=True)
+    ks = np.asarray(sorted(alpha), np.float64)
+    ts = np.asarray([alpha[k] for k in sorted(alpha)])
+    slope, intercept = np.polyfit(ks, ts, 1)
+    result["alpha_fit"] = {"k": ks.tolist(), "step_s": ts.tolist(), "per_allreduce_s": slope}
+    if pid == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    jax.distributed.shutdown()
+
+
+def procs_part(reps: int) -> dict:
+    """Start two worker processes of this module on loopback; return worker 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu"
+    )
+    cmd = [sys.executable, "-m", "experiments.bench_buckets", f"--port={port}", f"--reps={reps}"]
+    procs = [
+        subprocess.Popen(cmd + [f"--worker={pid}"], env=env, stdout=subprocess.PIPE, text=True)
+        for pid in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a worker failed: {[p.returncode for p in procs]}\n{outs}")
+    line = next(x for x in outs[0].splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    base = result["hand_fused_pmean"]
+    for name in ("allreduce_bucketed", "allreduce_per_leaf"):
+        result[f"{name}_vs_fused"] = result[name] / base
+    a = result["alpha_fit"]["per_allreduce_s"]
+    # netsim's ring all-reduce charges 2(n-1)·α: n=2 -> 2α per all-reduce
+    result["alpha_fit"]["netsim_latency_s"] = a / 2
+    print(
+        f"2 processes, gloo loopback: jaxcomm.allreduce() bucketed "
+        f"{result['allreduce_bucketed_vs_fused']:.2f}x, per leaf "
+        f"{result['allreduce_per_leaf_vs_fused']:.2f}x the hand-fused pmean step; one extra "
+        f"all-reduce costs {a * 1e3:.3f} ms (netsim latency_s = {a / 2 * 1e3:.3f} ms)",
+        flush=True,
+    )
+    return result
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker >= 0:
+        _worker(FLAGS.worker, FLAGS.port, FLAGS.reps)
+        return
+    results = {}
+    if os.path.exists(FLAGS.out):
+        with open(FLAGS.out) as f:
+            results = json.load(f)
+    if FLAGS.part in ("all", "procs"):
+        results["two_processes"] = procs_part(FLAGS.reps)
+    if FLAGS.part in ("all", "devices"):
+        results["fake_devices"] = devices_part(FLAGS.reps)
+    os.makedirs(os.path.dirname(FLAGS.out), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    if "--worker" not in " ".join(sys.argv) and "XLA_FLAGS" not in os.environ:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    app.run(main)

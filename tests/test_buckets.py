@@ -1,0 +1,196 @@
+"""Tensor fusion (jaxcomm.buckets): one collective per bucket, bit-identical results."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm import accounting, buckets, netsim
+from jaxcomm.exchange import Collective
+from tests import helpers as H
+from tests.test_registry import REGISTRY
+
+# Odd leaf sizes, fp32 + bf16, leaves below min_size (64 in the registry): 5 and 3.
+TREE = {
+    "a_w": jnp.zeros((24, 20)),
+    "b_conv": jnp.zeros((3, 3, 4, 8), jnp.bfloat16),
+    "c_odd": jnp.zeros((7, 13)),
+    "d_b": jnp.zeros((5,)),
+    "e_b16": jnp.zeros((3,), jnp.bfloat16),
+    "f_w16": jnp.zeros((9, 11), jnp.bfloat16),
+}
+SMALL = 300  # bytes: several buckets, some payloads larger than a bucket
+
+
+def _run(tx, steps=2):
+    g_seq = [H.per_worker_grads(TREE, seed=10 + s) for s in range(steps)]
+    state = H.stack(tx.init(TREE))
+    fn, sh = H.sharded(tx)
+    outs = []
+    for g in g_seq:
+        out, state = fn(jax.device_put(g, sh), jax.device_put(state, sh))
+        outs.append(out)
+    return outs, state
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_bucketed_updates_bit_identical_to_per_leaf(name):
+    per_leaf = REGISTRY[name]("data", bucket_bytes=None)
+    outs0, state0 = _run(per_leaf)
+    for size in (buckets.DEFAULT_BUCKET_BYTES, SMALL):
+        tx = REGISTRY[name]("data", bucket_bytes=size)
+        outs, state = _run(tx)
+        assert _bits(outs) == _bits(outs0), f"updates differ with bucket_bytes={size}"
+        assert jax.tree.structure(state) == jax.tree.structure(state0)
+        assert _bits(state) == _bits(state0), f"state differs with bucket_bytes={size}"
+    # and bucketing did fuse something
+    fused = accounting.wire_count(REGISTRY[name]("data"), TREE, H.N)
+    assert fused < accounting.wire_count(per_leaf, TREE, H.N)
+
+
+# --- a many-leaf tree: the count of collectives in compiled HLO ----------------------
+
+MANY = {f"l{i:02d}": jnp.zeros((64 + 37 * i,)) for i in range(12)}
+MANY.update({f"m{i}": jnp.zeros((40, 30 + i)) for i in range(4)})
+MANY.update({"bias": jnp.zeros((10,)), "ln": jnp.zeros((7,))})
+KEY = jax.random.key(1)
+# transform -> collectives per step with the default bucket size
+EXPECTED = {
+    "allreduce": (lambda **kw: jaxcomm.allreduce(axis_name="data", **kw), 1),
+    # one all-gather of every leaf's values + indices, one all-reduce of the 2 small leaves
+    "topk": (lambda **kw: jaxcomm.topk(0.05, axis_name="data", min_size=64, **kw), 2),
+    "int8": (lambda **kw: jaxcomm.int8(key=KEY, axis_name="data", min_size=64, **kw), 2),
+    # scales agreed in one pmax; codes + the small leaves (uint32 / f32: two dtypes)
+    "terngrad": (lambda **kw: jaxcomm.terngrad(key=KEY, axis_name="data", min_size=64, **kw), 3),
+    # key agreement + values and small leaves (all f32)
+    "randomk": (lambda **kw: jaxcomm.randomk(0.1, key=KEY, axis_name="data", min_size=64, **kw), 2),
+    # P's with the dense leaves, then Q's
+    "powersgd": (lambda **kw: jaxcomm.powersgd(2, key=KEY, axis_name="data", **kw), 2),
+    "dgc": (lambda **kw: jaxcomm.dgc(0.05, axis_name="data", min_size=64, **kw), 2),
+    "delayed_averaging": (
+        lambda **kw: jaxcomm.delayed_averaging(optax.sgd(0.1), delay=0, axis_name="data", **kw),
+        1,
+    ),
+}
+
+
+def _compiled(tx):
+    g = H.per_worker_grads(MANY, seed=3)
+    return H.shard_map_compiled(tx, g, H.stack(tx.init(MANY)))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_hlo_collective_count_equals_wire_count(name):
+    make, expected = EXPECTED[name]
+    tx = make()
+    hlo = accounting.hlo_collectives(_compiled(tx))
+    assert accounting.wire_count(tx, MANY, H.N) == expected
+    assert len(hlo) == expected, [(c.kind, c.shape, c.operands) for c in hlo]
+    assert all(c.operands == 1 for c in hlo)
+    assert sum(c.nbytes for c in hlo) == jaxcomm.wire_bytes(tx, MANY, H.N)
+
+
+def test_per_leaf_exchange_counts_every_operand():
+    tx = jaxcomm.allreduce(axis_name="data", bucket_bytes=None)
+    compiled = _compiled(tx)
+    assert accounting.wire_count(tx, MANY, H.N) == len(MANY)
+    # XLA may combine the per-leaf all-reduces into one multi-operand instruction
+    assert accounting.collective_count(compiled, operands=True) == len(MANY)
+    assert accounting.collective_count(compiled) <= len(MANY)
+
+
+def test_small_buckets_split_the_exchange():
+    leaf = 4 * (64 + 37 * 11)  # the largest l-leaf, bytes
+    tx = jaxcomm.allreduce(axis_name="data", bucket_bytes=leaf)
+    report = accounting.wire_report(tx, MANY, H.N)
+    assert all(c.nbytes <= max(leaf, 4 * 40 * 33) for c in report)
+    assert 1 < len(report) < len(MANY)
+    assert sum(c.nbytes for c in report) == sum(4 * x.size for x in MANY.values())
+    assert len(accounting.hlo_collectives(_compiled(tx))) == len(report)
+
+
+def test_sync_wrappers_average_in_buckets():
+    params = {"w": jnp.ones((6, 5)), "b": jnp.ones((5,)), "h": jnp.ones((3,), jnp.bfloat16)}
+    for make in (
+        lambda **kw: jaxcomm.local_sgd(optax.sgd(0.1), every=1, axis_name="data", **kw),
+        lambda **kw: jaxcomm.diloco(optax.sgd(0.1), every=1, axis_name="data", **kw),
+    ):
+        assert accounting.wire_count(make(), params, H.N) == 2  # one bucket per dtype
+        assert accounting.wire_count(make(bucket_bytes=None), params, H.N) == 3
+
+
+# --- the planner and the option ------------------------------------------------------
+
+
+def test_plan_fills_from_the_last_item_and_keeps_dtypes_apart():
+    assert buckets.plan([4, 4, 4], ["f"] * 3, 8) == [[2, 1], [0]]
+    assert buckets.plan([4, 4, 4], ["f", "g", "f"], 100) == [[2, 0], [1]]
+    assert buckets.plan([4, 20, 4], ["f"] * 3, 8) == [[2], [1], [0]]  # too large: alone
+    assert buckets.plan([1, 2, 3], ["f"] * 3, None) == [[2], [1], [0]]
+
+
+def test_all_gather_bucket_round_trips_mixed_dtypes():
+    base = [
+        jnp.arange(5, dtype=jnp.float32) - 2.5,
+        jnp.arange(3, dtype=jnp.int32) - 7,
+        jnp.asarray([1.5, -2.25], jnp.bfloat16),
+        jnp.asarray([-3, 4, 5], jnp.int8),
+        jnp.asarray([2**32 - 1, 7], jnp.uint32),
+    ]
+
+    def mine(w):  # worker w's payloads: different on every worker
+        return [(x + w.astype(x.dtype) * 3).astype(x.dtype) for x in base]
+
+    def f(w):
+        return tuple(buckets.all_gather(mine(w), "data", 1 << 20))
+
+    workers = jnp.arange(4)
+    out = jax.vmap(f, axis_name="data")(workers)  # (receiver, sender, ...)
+    for j, o in enumerate(out):
+        assert o.dtype == base[j].dtype and o.shape == (4, 4) + base[j].shape
+        for w in range(4):
+            np.testing.assert_array_equal(np.asarray(o[1, w]), np.asarray(mine(workers[w])[j]))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "25MB"])
+def test_bucket_bytes_is_validated(bad):
+    with pytest.raises((TypeError, ValueError), match="bucket_bytes"):
+        jaxcomm.topk(0.1, axis_name="data", bucket_bytes=bad)
+    with pytest.raises((TypeError, ValueError), match="bucket_bytes"):
+        jaxcomm.powersgd(key=KEY, bucket_bytes=bad)
+
+
+# --- the cost model charges latency per collective -------------------------------------
+
+
+def test_exchange_time_charges_latency_per_collective_and_operand():
+    link = netsim.Link(8e9, latency_s=1e-3)
+    one = Collective("all_reduce", "data", 4000, "float32", (1000,))
+    split = [Collective("all_reduce", "data", 1000, "float32", (250,))] * 4
+    combined = Collective("all_reduce", "data", 4000, "float32", (250,), operands=4)
+    t_one = netsim.exchange_time([one], 8, link)
+    t_split = netsim.exchange_time(split, 8, link)
+    assert t_split == pytest.approx(t_one + 3 * 2 * 7 * 1e-3)  # 3 more rings of 2(n-1) alphas
+    assert netsim.exchange_time([combined], 8, link) == pytest.approx(t_split)
+
+
+def test_hlo_operand_count_parsed():
+    text = (
+        "%ar = (f32[10]{0}, f32[20]{0}) all-reduce(f32[10]{0} %a, f32[20]{0} %b), "
+        "replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add\n"
+        "%ag = u8[8,12]{1,0} all-gather(u8[12]{0} %c), replica_groups={{0,1,2,3,4,5,6,7}}, "
+        "dimensions={0}\n"
+    )
+    found = accounting.hlo_collectives(text)
+    assert [(c.kind, c.operands, c.nbytes) for c in found] == [
+        ("all_reduce", 2, 120),
+        ("all_gather", 1, 12),
+    ]
+    assert accounting.collective_count(text) == 2
+    assert accounting.collective_count(text, operands=True) == 3
