@@ -23,7 +23,10 @@ not depend on the link: same processes, same arithmetic). They are flagged
 
 For every shaped cell the JSON also holds jaxcomm.netsim's prediction,
 calibrated on the loopback run of the same cell: measured loopback step time
-(compute, latency, encode/decode) + the bytes the compiled exchange moves
+(compute, loopback latency, encode/decode) + the collectives per step times the
+extra latency of the shaped link over loopback (each measured first, as the
+median time of a dependent scalar all-reduce inside one compiled scan, on
+loopback and on each link: ``alpha_s``) + the bytes the compiled exchange moves
 (``wire_report``, with CPU's bf16->f32 widening of all-reduces) at the shaped
 rate, as TCP goodput over Ethernet (1448 payload bytes per 1514-byte frame).
 """
@@ -52,6 +55,7 @@ flags.DEFINE_integer("probe_steps", 25, "steps measured in an extrapolated cell"
 flags.DEFINE_string("out", "experiments/results/netstudy.json", "JSON written (and updated) here")
 flags.DEFINE_string("workroot", "runs/netstudy", "workdirs of the runs")
 flags.DEFINE_bool("report", False, "only print the markdown tables and write the plot from --out")
+flags.DEFINE_bool("alpha_worker", False, "internal: time chained scalar psums (run by --alpha)")
 
 # Model overrides on top of experiments/configs/digits_mlp.py.
 MODELS = {
@@ -92,8 +96,59 @@ def _run_cell(model: str, n: int, rate: str, method: str, steps: int) -> dict:
     }
 
 
-def _comm_prediction(model: str, n: int, method: str, rate_bps: float) -> tuple[float, float]:
-    """(bytes a worker moves per step, netsim seconds per step at ``rate_bps``, no latency)."""
+ALPHA_CHAIN = 200  # dependent scalar all-reduces per compiled call
+
+
+def alpha_worker() -> None:
+    """Per-collective latency inside a compiled program: a scan of dependent scalar psums."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomm import distributed
+
+    distributed.initialize()
+    mesh = distributed.global_mesh("data")
+    x = distributed.shard_rows(jnp.ones((mesh.size,)), mesh, "data")
+
+    def chain(v):
+        def body(c, _):
+            s = jax.lax.psum(c, "data") / mesh.size + 1e-3
+            return jax.lax.pcast(s, "data", to="varying"), None
+
+        return jax.lax.scan(body, v, None, length=ALPHA_CHAIN)[0]
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    f = f.lower(x).compile()
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append((time.perf_counter() - t0) / ALPHA_CHAIN)
+    if jax.process_index() == 0:
+        print("ALPHA_S", sorted(times)[len(times) // 2], flush=True)
+
+
+def measure_alpha(n: int, rate: str) -> float:
+    """Median seconds per small all-reduce between ``n`` processes on ``rate`` (or loopback)."""
+    argv = [
+        sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
+        *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
+        sys.executable, "-m", "experiments.netstudy", "--alpha_worker",
+    ]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return float(out.split("ALPHA_S")[1].split()[0])
+
+
+def _comm_prediction(
+    model: str, n: int, method: str, rate_bps: float
+) -> tuple[float, float, float]:
+    """Per step: bytes a worker moves, netsim seconds at ``rate_bps`` (no latency), collectives.
+
+    Collectives: the transform's (``wire_report``) plus the training step's loss
+    ``pmean``; local SGD / DiLoCo's are amortised over their sync period.
+    """
     import jax
 
     from experiments import data as data_lib
@@ -121,7 +176,7 @@ def _comm_prediction(model: str, n: int, method: str, rate_bps: float) -> tuple[
     per_comm = netsim.exchange_time(moved, n, link) if moved else 0.0
     fraction = train.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
     wire = sum(netsim_bytes(c, n) for c in moved)
-    return wire * fraction, per_comm * fraction
+    return wire * fraction, per_comm * fraction, 1 + len(moved) * fraction
 
 
 def netsim_bytes(c, n: int) -> float:
@@ -243,6 +298,9 @@ def report(results: dict, plot_path: str | None) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.alpha_worker:
+        alpha_worker()
+        return
     if FLAGS.report:
         with open(FLAGS.out) as f:
             print(report(json.load(f), FLAGS.out.removesuffix(".json") + ".png"))
@@ -260,6 +318,12 @@ def main(argv: list[str]) -> None:
             json.dump(results, f, indent=1)
 
     rates = ["loopback"] + [r for r in FLAGS.rates if r != "loopback"]
+    alphas = results.setdefault("alpha_s", {})
+    for n in map(int, FLAGS.processes):
+        for rate in rates:
+            if f"{n}/{rate}" not in alphas:
+                alphas[f"{n}/{rate}"] = measure_alpha(n, rate)
+                print(f"alpha n={n} {rate}: {alphas[f'{n}/{rate}'] * 1e3:.3f} ms", flush=True)
     for model in FLAGS.models:
         steps = MODELS[model]["steps"]
         for n in map(int, FLAGS.processes):
@@ -272,11 +336,13 @@ def main(argv: list[str]) -> None:
                     cell = {"model": model, "n": n, "rate": rate, "method": method}
                     full_steps, extrapolated = steps, False
                     if rate != "loopback":
-                        wire, comm_s = _comm_prediction(model, n, method, _rate_bps(rate))
+                        wire, comm_s, colls = _comm_prediction(model, n, method, _rate_bps(rate))
                         step_lb = base["train_s"] / base["steps"]
+                        extra_alpha = alphas[f"{n}/{rate}"] - alphas[f"{n}/loopback"]
                         cell.update(
                             wire_bytes_per_step=wire,
-                            predicted_step_s=step_lb + comm_s,
+                            collectives_per_step=colls,
+                            predicted_step_s=step_lb + colls * extra_alpha + comm_s,
                             loopback_step_s=step_lb,
                         )
                         if (step_lb + comm_s) * steps > FLAGS.max_run_s:

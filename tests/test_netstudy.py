@@ -8,16 +8,17 @@ from experiments import netstudy
 def test_dense_prediction_is_ring_allreduce_of_the_gradient_at_goodput():
     # digits MLP (64-128-10): 64*128 + 128 + 128*10 + 10 = 9610 fp32 entries.
     n, rate = 2, 100e6
-    wire, seconds = netstudy._comm_prediction("digits_mlp", n, "dense", rate)
+    wire, seconds, collectives = netstudy._comm_prediction("digits_mlp", n, "dense", rate)
     gradient = 9610 * 4
     assert wire == pytest.approx(2 * (n - 1) / n * gradient)
     assert seconds == pytest.approx(wire * 8 / (rate * netstudy.ETHERNET_GOODPUT))
+    assert collectives == 2  # one bucket for the 4 leaves + the loss pmean
 
 
 def test_bf16_on_cpu_moves_what_dense_moves_and_local_sgd_one_sync_in_eight():
-    dense, _ = netstudy._comm_prediction("digits_mlp", 4, "dense", 1e9)
-    bf16, _ = netstudy._comm_prediction("digits_mlp", 4, "bf16", 1e9)
-    local, _ = netstudy._comm_prediction("digits_mlp", 4, "local_sgd", 1e9)
+    dense, _, _ = netstudy._comm_prediction("digits_mlp", 4, "dense", 1e9)
+    bf16, _, _ = netstudy._comm_prediction("digits_mlp", 4, "bf16", 1e9)
+    local, _, _ = netstudy._comm_prediction("digits_mlp", 4, "local_sgd", 1e9)
     assert bf16 == pytest.approx(dense)  # XLA:CPU widens 16-bit all-reduces to f32
     assert local == pytest.approx(dense / 8)  # params (same size as grads) every 8 steps
 
