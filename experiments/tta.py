@@ -1,0 +1,224 @@
+"""Time to accuracy: measured compute + modelled communication, as a table, JSON and plot.
+
+The time axis of the README's main job (``python -m experiments.compare``) and
+of the notebooks: a :class:`experiments.methods.Run` holds the *measured*
+seconds of its compiled training steps on this machine; this module adds the
+*modelled* communication of its ``wire_report`` at a link rate
+(:func:`jaxcomm.netsim.exchange_time`: ring all-reduce / all-gather over the
+run's workers, ``latency_us`` per message, collectives one after another and
+after the compute, no overlap). ``wire`` picks whose bytes are charged:
+``"native"`` (GPU NCCL / TPU: bf16 moves 2 bytes per entry) or ``"xla_cpu"``
+(bf16 all-reduce widened to f32).
+
+Example:
+  >>> runs = [methods.run(m, split=split, steps=200, eval_every=20, lr=0.3)
+  ...         for m in ("dense fp32", "EF-sign")]
+  >>> print(summary(runs, target=0.95, gbps=[0.1, 1, 10, 100], latency_us=10, wire="native"))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from experiments.methods import Run, moved
+from jaxcomm import netsim
+
+
+def link(gbps: float, latency_us: float = 10.0) -> netsim.Link:
+    """A link of ``gbps`` Gbit/s and ``latency_us`` per message."""
+    return netsim.Link.from_gbps(gbps, latency_s=latency_us * 1e-6)
+
+
+def comm_s_per_exchange(
+    r: Run, gbps: float, *, latency_us: float = 10.0, wire: str = "native"
+) -> float:
+    """Modelled seconds of one communicating step's collectives (netsim, ring, in sequence)."""
+    report = moved(r.report, wire)
+    return netsim.exchange_time(report, r.n_workers, link(gbps, latency_us)) if report else 0.0
+
+
+def elapsed(r: Run, gbps: float, *, latency_us: float = 10.0, wire: str = "native") -> list[float]:
+    """Seconds at each evaluation: measured compute + modelled communication, no overlap."""
+    per = comm_s_per_exchange(r, gbps, latency_us=latency_us, wire=wire)
+    return [t + (s // r.comm_every) * per for s, t in zip(r.steps, r.train_s)]
+
+
+def time_to_accuracy(
+    r: Run, target: float, gbps: float, *, latency_us: float = 10.0, wire: str = "native"
+) -> float | None:
+    """:func:`elapsed` at the first evaluation with accuracy >= ``target`` (None: never)."""
+    times = elapsed(r, gbps, latency_us=latency_us, wire=wire)
+    return next((t for t, a in zip(times, r.accuracy) if a >= target), None)
+
+
+def ranking(
+    runs: Sequence[Run],
+    target: float,
+    gbps: float,
+    *,
+    latency_us: float = 10.0,
+    wire: str = "native",
+) -> list[str]:
+    """Methods that reach ``target``, fastest first at ``gbps``."""
+    tta = {
+        r.method: time_to_accuracy(r, target, gbps, latency_us=latency_us, wire=wire) for r in runs
+    }
+    return sorted((m for m, t in tta.items() if t is not None), key=lambda m: tta[m])
+
+
+def fmt_seconds(t: float | None) -> str:
+    """``1.23s`` / ``45ms`` / ``never``."""
+    if t is None or math.isinf(t):
+        return "never"
+    return f"{t:.2f}s" if t >= 1 else f"{t * 1e3:.0f}ms"
+
+
+def summary(
+    runs: Sequence[Run],
+    target: float,
+    gbps: Sequence[float],
+    *,
+    latency_us: float,
+    wire: str,
+) -> str:
+    """The terminal table: one row per method, then the ranking at each rate."""
+    dense = next((r for r in runs if r.method == "dense fp32"), runs[0])
+    where = "GPU/TPU (bf16 moves 2 B/entry)" if wire == "native" else "XLA:CPU (bf16 widened)"
+    lines = [
+        f"time to {100 * target:.1f}% test accuracy = measured compute here + netsim "
+        f"communication on an {dense.n_workers}-worker ring ({latency_us:g} us/message), "
+        f"bytes as on {where}",
+        f"{'method':<17} {'acc':>6} {'loss':>6} {'bytes/step':>10} {'vs fp32':>8} "
+        f"{'ms/step':>7}" + "".join(f" {f'@{g:g}G':>8}" for g in gbps),
+    ]
+    for r in runs:
+        ratio = dense.traffic_per_step(wire) / max(r.traffic_per_step(wire), 1e-12)
+        line = (
+            f"{r.method:<17} {100 * r.final_accuracy:>5.1f}% {r.train_loss:>6.3f} "
+            f"{r.bytes_per_step(wire):>10,.0f} {ratio:>7.1f}x {1e3 * r.compute_s_per_step:>7.2f}"
+        )
+        for g in gbps:
+            t = time_to_accuracy(r, target, g, latency_us=latency_us, wire=wire)
+            line += f" {fmt_seconds(t):>8}"
+        lines.append(line)
+    lines.append(
+        "acc, loss: final test accuracy, training loss; bytes/step: what one worker contributes "
+        "per step; vs fp32: dense fp32 ring traffic / the method's (an all-gather sends its "
+        "piece n-1 times); ms/step: measured compute of all workers here; @rate: time to target"
+    )
+    lines.append("fastest to the target (x vs dense fp32 / dense bf16):")
+    by_name = {r.method: r for r in runs}
+    for g in gbps:
+        order = ranking(runs, target, g, latency_us=latency_us, wire=wire)
+        tta = {
+            m: time_to_accuracy(by_name[m], target, g, latency_us=latency_us, wire=wire)
+            for m in order
+        }
+        parts = []
+        for m in order[:4]:
+            vs = [tta.get(b) for b in ("dense fp32", "dense bf16")]
+            sp = " / ".join("-" if v is None else f"{v / tta[m]:.1f}x" for v in vs)
+            parts.append(f"{m} ({sp})")
+        lines.append(f"  @{g:g} Gbps: " + ", ".join(parts))
+    never = [r.method for r in runs if r.accuracy and max(r.accuracy) < target]
+    if never:
+        lines.append("never reached the target: " + ", ".join(never))
+    return "\n".join(lines)
+
+
+def to_json(
+    runs: Sequence[Run], target: float, gbps: Sequence[float], *, latency_us: float, wire: str
+) -> dict:
+    """Everything behind the table and the plot."""
+    rows = []
+    for r in runs:
+        rows.append(
+            {
+                "method": r.method,
+                "accuracy": r.final_accuracy,
+                "train_loss": r.train_loss,
+                "bytes_per_step": r.bytes_per_step(wire),
+                "traffic_per_step": r.traffic_per_step(wire),
+                "compute_s_per_step": r.compute_s_per_step,
+                "comm_every": r.comm_every,
+                "curve_steps": r.steps,
+                "curve_accuracy": r.accuracy,
+                "curve_train_s": r.train_s,
+                "collectives": [
+                    {"kind": c.kind, "nbytes": c.nbytes, "dtype": str(c.dtype)}
+                    for c in moved(r.report, wire)
+                ],
+                "comm_s_per_exchange": {
+                    str(g): comm_s_per_exchange(r, g, latency_us=latency_us, wire=wire)
+                    for g in gbps
+                },
+                "time_to_target_s": {
+                    str(g): time_to_accuracy(r, target, g, latency_us=latency_us, wire=wire)
+                    for g in gbps
+                },
+            }
+        )
+    return {
+        "target": target,
+        "gbps": list(gbps),
+        "latency_us": latency_us,
+        "wire": wire,
+        "rows": rows,
+    }
+
+
+def plot(
+    runs: Sequence[Run],
+    target: float,
+    gbps: Sequence[float],
+    path: str | None = None,
+    *,
+    latency_us: float = 10.0,
+    wire: str = "native",
+):
+    """Accuracy vs step, accuracy vs time at the slowest rate, time to target vs rate.
+
+    Returns the matplotlib figure (saved to ``path`` and closed if given).
+    """
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    slow = min(gbps)
+    palette = plt.get_cmap("tab20").colors  # 20 colours: no two methods share one
+    for i, r in enumerate(runs):
+        style = "--" if "no EF" in r.method else "-"
+        acc = [100 * a for a in r.accuracy]
+        color = palette[(2 * i) % 20 + (2 * i) // 20 % 2]
+        (line,) = ax1.plot(r.steps, acc, style, label=r.method, color=color)
+        times = elapsed(r, slow, latency_us=latency_us, wire=wire)
+        ax2.plot(times, acc, style, color=line.get_color())
+        tta = [time_to_accuracy(r, target, g, latency_us=latency_us, wire=wire) for g in gbps]
+        pts = [(g, t) for g, t in zip(gbps, tta) if t is not None]
+        if pts:
+            ax3.plot(*zip(*pts), style, marker="o", color=line.get_color())
+    for ax in (ax1, ax2):
+        ax.axhline(100 * target, color="gray", lw=0.8, ls=":")
+        ax.set_ylim(max(0, 100 * target - 15), 100)
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+    ax1.set_xlabel("step")
+    ax1.set_title("digits MLP, 8 workers")
+    ax1.legend(fontsize=7)
+    ax2.set_xscale("log")
+    ax2.set_xlabel(f"measured compute + modelled comm at {slow:g} Gbps (s)")
+    ax3.set_xscale("log")
+    ax3.set_yscale("log")
+    ax3.set_xlabel("link rate (Gbit/s)")
+    ax3.set_ylabel(f"time to {100 * target:.1f}% (s)")
+    ax3.set_title("lines that cross: the ranking changes with the link")
+    ax3.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
