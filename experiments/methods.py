@@ -132,8 +132,14 @@ class Run:
 
     @property
     def compute_s_per_step(self) -> float:
-        """Measured seconds per training step (all chunks, compile excluded)."""
-        return self.train_s[-1] / self.steps[-1]
+        """Measured seconds per step: the median over chunks of chunk time / chunk steps.
+
+        The median (not the total) so that a chunk slowed by something else
+        running on the machine does not shift a method's whole time axis.
+        """
+        times = np.diff([0.0, *self.train_s])
+        steps = np.diff([0, *self.steps])
+        return float(np.median(times / steps))
 
     def bytes_per_step(self, wire: str = "native") -> float:
         """Operand bytes one worker contributes per step (averaged over sync rounds)."""

@@ -39,9 +39,14 @@ def comm_s_per_exchange(
 
 
 def elapsed(r: Run, gbps: float, *, latency_us: float = 10.0, wire: str = "native") -> list[float]:
-    """Seconds at each evaluation: measured compute + modelled communication, no overlap."""
+    """Seconds at each evaluation: steps x measured compute per step + modelled communication.
+
+    Compute per step is :attr:`Run.compute_s_per_step` (median over chunks);
+    the collectives of each communicating step follow its compute (no overlap).
+    """
     per = comm_s_per_exchange(r, gbps, latency_us=latency_us, wire=wire)
-    return [t + (s // r.comm_every) * per for s, t in zip(r.steps, r.train_s)]
+    compute = r.compute_s_per_step
+    return [s * compute + (s // r.comm_every) * per for s in r.steps]
 
 
 def time_to_accuracy(
