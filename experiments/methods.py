@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,11 +92,6 @@ def label_skewed(split: digits.Split) -> digits.Split:
         split.x_test,
         split.y_test,
     )
-
-
-def quick() -> bool:
-    """True when ``JAXCOMM_QUICK=1``: notebooks and tests shrink their runs (CI)."""
-    return os.environ.get("JAXCOMM_QUICK", "") not in ("", "0")
 
 
 @dataclasses.dataclass
