@@ -330,10 +330,11 @@ def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
             updates, opt_state = tx.update(grads, s.opt_state, s.params)
             params = optax.apply_updates(s.params, updates)
             stats = jax.lax.pcast(jax.lax.pmean(stats, AXIS), AXIS, to="varying")
-            return TrainState(s.step + 1, params, stats, opt_state), jax.lax.pmean(loss, AXIS)
+            return TrainState(s.step + 1, params, stats, opt_state), loss
 
         state, losses = jax.lax.scan(body, state, None, length=config.steps_per_call)
-        return jax.tree.map(lambda a: a[None], state), losses
+        # One all-reduce of the call's losses, not one per step beside the gradient exchange.
+        return jax.tree.map(lambda a: a[None], state), jax.lax.pmean(losses, AXIS)
 
     spec = P(AXIS)
     fn = jax.shard_map(call, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, P()))
