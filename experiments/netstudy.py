@@ -47,7 +47,18 @@ flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "link rat
 flags.DEFINE_list("processes", ["2"], "process counts")
 flags.DEFINE_list(
     "methods",
-    ["dense", "bf16", "topk", "threshold", "dgc", "powersgd", "ef_sign", "local_sgd", "diloco"],
+    [
+        "dense",
+        "dense_leaf",
+        "bf16",
+        "topk",
+        "threshold",
+        "dgc",
+        "powersgd",
+        "ef_sign",
+        "local_sgd",
+        "diloco",
+    ],
     "digits_mlp config variants",
 )
 flags.DEFINE_float("max_run_s", 150.0, "longest full run; slower cells are probed and extrapolated")
@@ -201,6 +212,15 @@ def _rate_bps(rate: str) -> float:
     return float(parse_rate(rate))
 
 
+DENSE = ("dense", "dense_leaf")
+
+
+def _fastest(*cells: dict | None) -> dict | None:
+    """The fp32 baseline a careful engineer would pick: the faster dense variant."""
+    ok = [c for c in cells if c and c.get("tta_s") is not None]
+    return min(ok, key=lambda c: c["tta_s"]) if ok else None
+
+
 def _fmt_s(x: float | None) -> str:
     return "—" if x is None else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
 
@@ -221,7 +241,7 @@ def report(results: dict, plot_path: str | None) -> str:
         get = {(c["rate"], c["method"]): c for c in mine}
         lines += [
             f"**{model}, {n} processes** — time to {100 * results['targets'][model]:.1f}% test "
-            "accuracy, measured seconds of training (× speedup vs dense fp32 / vs bf16; "
+            "accuracy, measured seconds of training (× speedup vs the faster dense fp32 / vs bf16; "
             "* extrapolated from measured steps):",
             "",
             "| method | " + " | ".join(rates) + " |",
@@ -230,7 +250,8 @@ def report(results: dict, plot_path: str | None) -> str:
         for m in methods:
             row = []
             for r in rates:
-                c, d, b = get.get((r, m)), get.get((r, "dense")), get.get((r, "bf16"))
+                c, b = get.get((r, m)), get.get((r, "bf16"))
+                d = _fastest(get.get((r, "dense")), get.get((r, "dense_leaf")))
                 if c is None or c["tta_s"] is None:
                     row.append("not reached" if c else "")
                     continue
@@ -238,7 +259,7 @@ def report(results: dict, plot_path: str | None) -> str:
                 sp = [
                     f"{x['tta_s'] / c['tta_s']:.2f}×" if x and x["tta_s"] else "—" for x in (d, b)
                 ]
-                row.append(f"{txt} ({sp[0]} / {sp[1]})" if m not in ("dense",) else txt)
+                row.append(f"{txt} ({sp[0]} / {sp[1]})" if m not in DENSE else txt)
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines += [
             "",

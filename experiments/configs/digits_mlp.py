@@ -2,8 +2,8 @@ r"""MLP on scikit-learn's digits, 8 workers, top-k 1% + error feedback (default 
 
 Command:
   python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
-Variants (``:NAME`` after the file): dense, bf16, topk (default), threshold, dgc, powersgd,
-ef_sign, qsgd, local_sgd, diloco, accumulate, policy. E.g.
+Variants (``:NAME`` after the file): dense, dense_leaf, bf16, topk (default), threshold, dgc,
+powersgd, ef_sign, qsgd, local_sgd, diloco, accumulate, policy. E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
 
 Runtime here (2 CPU cores, 8 fake devices): about 10 s (400 steps, ~150 steps/s
@@ -20,6 +20,8 @@ from experiments.configs import common
 
 VARIANTS: dict[str, dict] = {
     "dense": {"compressor": ("allreduce", {})},
+    # one all-reduce per leaf instead of one per bucket (see README "Several processes")
+    "dense_leaf": {"compressor": ("allreduce", {"bucket_bytes": None})},
     "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0})},
     "topk": {"compressor": ("topk", {"ratio": 0.01, "min_size": 0})},
     "threshold": {"compressor": ("threshold", {"ratio": 0.01, "min_size": 0})},
