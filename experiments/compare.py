@@ -33,6 +33,8 @@ multi-process runs over shaped links: ``python -m experiments.netstudy``.
 
 Command (the README's main job; ~1.5 minutes on 2 CPU cores):
   python -m experiments.compare
+Longer run (1000 steps, MLP 512):
+  python -m experiments.compare --noquick
 Faster look (fewer methods / steps):
   python -m experiments.compare --methods="dense fp32,EF-sign,sign no EF" --steps=200
 
@@ -79,9 +81,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum(
     "shards", "skewed", ["skewed", "iid"], "training data per worker: sorted by label, or shuffled"
 )
-flags.DEFINE_integer("steps", 400, "training steps (full local shard each)")
+flags.DEFINE_bool("quick", True, "default preset (400 steps, MLP 256); --noquick: 1000, MLP 512")
+flags.DEFINE_integer("steps", None, "training steps (full local shard each); default per preset")
 flags.DEFINE_enum("model", "mlp", ["logreg", "mlp"], "model")
-flags.DEFINE_integer("hidden", 256, "MLP hidden width")
+flags.DEFINE_integer("hidden", None, "MLP hidden width; default per preset")
 flags.DEFINE_integer("eval_every", 20, "evaluate every this many steps (time-to-accuracy)")
 flags.DEFINE_float("target_drop", 0.01, "target accuracy = dense fp32's final accuracy - this")
 flags.DEFINE_float("lr", 0.5, "SGD learning rate, the same for every method")
@@ -100,6 +103,8 @@ def main(argv: Sequence[str]) -> None:
     unknown = [m for m in FLAGS.methods if m not in methods.METHODS]
     if unknown:
         raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(methods.METHODS)}")
+    FLAGS.steps = FLAGS.steps or (400 if FLAGS.quick else 1000)
+    FLAGS.hidden = FLAGS.hidden or (256 if FLAGS.quick else 512)
     if FLAGS.steps % FLAGS.eval_every:
         raise app.UsageError(f"--steps {FLAGS.steps} must be a multiple of --eval_every")
     gbps = [float(g) for g in FLAGS.gbps]
