@@ -31,7 +31,7 @@ Time axis = measured compute + modelled communication:
 The baseline is dense all-reduce in fp32 and in bf16. Measured (not modelled)
 multi-process runs over shaped links: ``python -m experiments.netstudy``.
 
-Command (the README's main job; ~1.5 minutes on 2 CPU cores):
+Command (the README's main job; ~1 minute on 2 CPU cores, 1.5 on a busy machine):
   python -m experiments.compare
 Longer run (1000 steps, MLP 512):
   python -m experiments.compare --noquick
@@ -41,7 +41,7 @@ Faster look (fewer methods / steps):
 Expected (defaults, measured here): dense fp32 and bf16 97.1% test accuracy
 (target 96.1%); EF-sign 97.1% (training loss 0.009), sign without EF 95.8%
 (loss 0.060), never reaching the target; at 0.01 Gbps PowerSGD, EF-sign and
-top-k reach the target first (3.5-8x faster than dense fp32), at 10 Gbps,
+top-k reach the target first (3.5-10x faster than dense fp32), at 10 Gbps,
 where the measured compute decides, dense fp32 does (PowerSGD, of similar
 compute, close behind). Writes ``compare.json`` and ``compare.png`` to
 ``--workdir``.
