@@ -226,24 +226,20 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
 # --- checkpoints ---------------------------------------------------------------------------
 
 
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def to_host(state: Any) -> Any:
     """Numpy copy of ``state``; PRNG key arrays become their raw uint32 key data."""
-    return jax.device_get(
-        jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
-    )
+    return jax.device_get(distributed.key_data(state))
 
 
 def from_host(host: Any, like: Any) -> Any:
     """Inverse of :func:`to_host`: re-wrap key data where ``like`` holds keys."""
-    return jax.tree.map(
-        lambda h, t: jax.random.wrap_key_data(h, impl=jax.random.key_impl(t)) if _is_key(t) else h,
-        host,
-        like,
-    )
+
+    def rewrap(h, t):
+        if distributed.is_key(t):
+            return jax.random.wrap_key_data(h, impl=jax.random.key_impl(t))
+        return h
+
+    return jax.tree.map(rewrap, host, like)
 
 
 def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
@@ -254,10 +250,6 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
-def _key_data(state: Any) -> Any:
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
-
-
 def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> None:
     """Save the (global, possibly multi-process) state at ``step``; every process calls it.
 
@@ -266,7 +258,7 @@ def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> Non
     or bucket). A checkpoint becomes visible only once complete, so a process
     killed mid-save leaves the previous one as the latest.
     """
-    mngr.save(step, args=ocp.args.StandardSave(_key_data(state)))
+    mngr.save(step, args=ocp.args.StandardSave(distributed.key_data(state)))
     mngr.wait_until_finished()
 
 

@@ -343,8 +343,14 @@ def local_rows(mesh: Mesh, axis_name: str, n_rows: int) -> slice:
     return slice(min(starts), max(stops))
 
 
-def _is_key(x: Any) -> bool:
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed PRNG key array (``jax.random.key``)."""
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def key_data(tree: Any) -> Any:
+    """``tree`` with every typed PRNG key array replaced by its raw uint32 key data."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
 
 
 def shard_rows(tree: Any, mesh: Mesh, axis_name: str = "data") -> Any:
@@ -357,7 +363,7 @@ def shard_rows(tree: Any, mesh: Mesh, axis_name: str = "data") -> Any:
     sharding = NamedSharding(mesh, P(axis_name))
 
     def place(x):
-        if _is_key(x):
+        if is_key(x):
             impl = jax.random.key_impl(x)
             data = place(np.asarray(jax.random.key_data(x)))
             return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl))(data)
@@ -373,7 +379,7 @@ def local_row(tree: Any, row: int) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     out = []
     for x in leaves:
-        if _is_key(x):
+        if is_key(x):
             x = jax.random.key_data(x)
         found = None
         for shard in x.addressable_shards:
@@ -394,7 +400,7 @@ def gather(tree: Any) -> Any:
 
     A collective when the run spans several processes: every process must call it.
     """
-    tree = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+    tree = key_data(tree)
     if jax.process_count() == 1:
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
@@ -420,4 +426,6 @@ __all__ = [
     "local_row",
     "gather",
     "barrier",
+    "is_key",
+    "key_data",
 ]
