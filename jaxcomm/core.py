@@ -167,6 +167,35 @@ def check_residual(residual: Any, updates: Any, name: str = "state.residual") ->
             )
 
 
+def check_state_dtype(value: Any, name: str = "state_dtype") -> Any:
+    """Validate a ``state_dtype=`` option: ``None`` or a floating dtype."""
+    if value is None:
+        return None
+    try:
+        dt = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(f"{name}: expected None or a floating dtype, got {value!r}") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{name}: expected None or a floating dtype, got {dt}")
+    return dt
+
+
+def resolve_state_dtype(leaf_dtype: Any, state_dtype: Any = None) -> Any:
+    """dtype of the optimizer-side state (residual, momentum, velocity) of one leaf.
+
+    ``state_dtype=None`` (the default) keeps state in float32 for 16-bit float
+    leaves (bf16/fp16), so that ``residual + g`` does not round small gradients
+    away, and in the leaf's own dtype otherwise; an explicit floating dtype is
+    used for every floating leaf (to save memory, at that cost).
+    """
+    leaf_dtype = jnp.dtype(leaf_dtype)
+    if not jnp.issubdtype(leaf_dtype, jnp.floating):
+        return leaf_dtype
+    if state_dtype is not None:
+        return jnp.dtype(state_dtype)
+    return jnp.dtype(jnp.float32) if leaf_dtype.itemsize < 4 else leaf_dtype
+
+
 def num_kept(ratio: float, d: int) -> int:
     """Entries a sparsifier keeps of ``d``: ``max(1, ceil(ratio * d))``, at most d."""
     return min(d, max(1, math.ceil(ratio * d - 1e-9)))
