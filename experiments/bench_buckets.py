@@ -10,8 +10,9 @@ Two parts:
   collective per leaf) and the default 25 MiB buckets.
 * **2 real processes on loopback** (gloo, one CPU device each, started here
   as two subprocesses with ``jax.distributed``): the dense step of the MLP
-  tree with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written
-  step that concatenates the gradients and does one ``pmean``; and the gloo
+  tree and of the study's wide MLP (64-1024-1024-10, 1.12M params) with
+  ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
+  concatenates the gradients and does one ``pmean``; and the gloo
   latency α, fitted as the slope of the best step time over k chained
   4-byte all-reduces (k = 1..16).
 
@@ -41,6 +42,7 @@ flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
 flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
 flags.DEFINE_integer("port", 0, "internal: coordinator port")
 flags.DEFINE_string("trees", "mlp,resnet18", "trees for the fake-device part")
+flags.DEFINE_string("procs_trees", "mlp,wide_mlp", "trees for the 2-process part")
 
 
 def _transforms(key):
@@ -81,7 +83,16 @@ def _trees():
     def mlp():
         return jax.eval_shape(lambda: digits.init_params("mlp", jax.random.key(0), hidden=256))
 
-    return {"mlp": mlp, "resnet18": resnet18}
+    def wide_mlp():  # the study's communication-bound model: 64-1024-1024-10, 1.12M params
+        f32 = jnp.float32
+        dims = [(64, 1024), (1024, 1024), (1024, 10)]
+        tree = {}
+        for i, (a, b) in enumerate(dims):
+            tree[f"w{i}"] = jax.ShapeDtypeStruct((a, b), f32)
+            tree[f"b{i}"] = jax.ShapeDtypeStruct((b,), f32)
+        return tree
+
+    return {"mlp": mlp, "wide_mlp": wide_mlp, "resnet18": resnet18}
 
 
 def _median_time(fn, args, reps, best=False):
@@ -165,7 +176,7 @@ def devices_part(reps: int) -> list[dict]:
 
 
 def _worker(pid: int, port: int, reps: int) -> None:
-    """One of two gloo processes: time the dense MLP step three ways, and α."""
+    """One of two gloo processes: time the dense step of each tree three ways, and α."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -179,7 +190,6 @@ def _worker(pid: int, port: int, reps: int) -> None:
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     sh = NamedSharding(mesh, P("data"))
-    shapes = _trees()["mlp"]()
     rng = np.random.default_rng(pid)
 
     def put(tree):
@@ -190,14 +200,8 @@ def _worker(pid: int, port: int, reps: int) -> None:
             tree,
         )
 
-    grads = put(shapes)
-
     def sharded(f):
         return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P()))
-
-    def jaxcomm_step(tx):
-        state = tx.init(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-        return sharded(lambda g: tx.update(jax.tree.map(lambda x: x[0], g), state)[0])
 
     def fused(g):
         leaves, treedef = jax.tree.flatten(jax.tree.map(lambda x: x[0], g))
@@ -208,16 +212,29 @@ def _worker(pid: int, port: int, reps: int) -> None:
             off += x.size
         return treedef.unflatten(out)
 
-    cases = {
-        "allreduce_bucketed": jaxcomm_step(jaxcomm.allreduce(axis_name="data")),
-        "allreduce_per_leaf": jaxcomm_step(jaxcomm.allreduce(axis_name="data", bucket_bytes=None)),
-        "hand_fused_pmean": sharded(fused),
-    }
     result = {}
-    for _ in range(2):  # interleave the cases twice, keep the better median
-        for name, fn in cases.items():
-            t = _median_time(fn, (grads,), reps)
-            result[name] = min(result.get(name, t), t)
+    for tree_name in FLAGS.procs_trees.split(","):
+        shapes = _trees()[tree_name]()
+        grads = put(shapes)
+
+        def jaxcomm_step(tx, shapes=shapes):
+            state = tx.init(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+            return sharded(lambda g: tx.update(jax.tree.map(lambda x: x[0], g), state)[0])
+
+        cases = {
+            "allreduce_bucketed": jaxcomm_step(jaxcomm.allreduce(axis_name="data")),
+            "allreduce_per_leaf": jaxcomm_step(
+                jaxcomm.allreduce(axis_name="data", bucket_bytes=None)
+            ),
+            "hand_fused_pmean": sharded(fused),
+        }
+        times = {}
+        for _ in range(2):  # interleave the cases twice, keep the better median
+            for name, fn in cases.items():
+                t = _median_time(fn, (grads,), reps)
+                times[name] = min(times.get(name, t), t)
+        times["params"] = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
+        result[tree_name] = times
     # α: k chained 4-byte all-reduces (bucket_bytes=1: one bucket, one all-reduce, each)
     alpha = {}
     for k in (1, 2, 4, 8, 16):
@@ -253,17 +270,22 @@ def procs_part(reps: int) -> dict:
         raise RuntimeError(f"a worker failed: {[p.returncode for p in procs]}\n{outs}")
     line = next(x for x in outs[0].splitlines() if x.startswith("RESULT "))
     result = json.loads(line[len("RESULT ") :])
-    base = result["hand_fused_pmean"]
-    for name in ("allreduce_bucketed", "allreduce_per_leaf"):
-        result[f"{name}_vs_fused"] = result[name] / base
+    for tree_name in FLAGS.procs_trees.split(","):
+        r = result[tree_name]
+        base = r["hand_fused_pmean"]
+        for name in ("allreduce_bucketed", "allreduce_per_leaf"):
+            r[f"{name}_vs_fused"] = r[name] / base
+        print(
+            f"2 processes, gloo loopback, {tree_name} ({r['params']} params): "
+            f"jaxcomm.allreduce() bucketed {r['allreduce_bucketed_vs_fused']:.2f}x, per leaf "
+            f"{r['allreduce_per_leaf_vs_fused']:.2f}x the hand-fused (concatenate + pmean) step",
+            flush=True,
+        )
     a = result["alpha_fit"]["per_allreduce_s"]
     # netsim's ring all-reduce charges 2(n-1)·α: n=2 -> 2α per all-reduce
     result["alpha_fit"]["netsim_latency_s"] = a / 2
     print(
-        f"2 processes, gloo loopback: jaxcomm.allreduce() bucketed "
-        f"{result['allreduce_bucketed_vs_fused']:.2f}x, per leaf "
-        f"{result['allreduce_per_leaf_vs_fused']:.2f}x the hand-fused pmean step; one extra "
-        f"all-reduce costs {a * 1e3:.3f} ms (netsim latency_s = {a / 2 * 1e3:.3f} ms)",
+        f"one extra all-reduce costs {a * 1e3:.3f} ms (netsim latency_s = {a / 2 * 1e3:.3f} ms)",
         flush=True,
     )
     return result

@@ -13,9 +13,10 @@ bit as a per-leaf collective would deliver it.
   which backprop produces gradients, as DDP does), each up to
   ``bucket_bytes``; a payload larger than that gets a bucket of its own.
 * **psum** buckets hold one dtype each (summing bit-cast floats would be
-  wrong): payloads are grouped by dtype, then concatenated.
+  wrong): payloads are grouped by dtype, then packed back to back
+  (:func:`pack`).
 * **all_gather** buckets mix dtypes: each payload is bit-cast to bytes
-  (``uint8``, exact sizes, no padding), the bytes concatenated, gathered, and
+  (``uint8``, exact sizes, no padding), the bytes packed, gathered, and
   bit-cast back. 16-bit floats travel as their raw bytes, so XLA:CPU's
   promotion of bf16 collectives to f32 does not apply to them.
 * Buckets are exchanged one after another: each bucket's buffer waits for
@@ -44,6 +45,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "all_gather",
     "check_bucket_bytes",
+    "pack",
     "plan",
     "pmean",
     "pmax",
@@ -104,21 +106,42 @@ def _varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     return exchange._as_varying(x, axis_name)
 
 
-def _after(x: jax.Array, prev: jax.Array | None) -> jax.Array:
-    """``x`` itself, but computed from ``prev`` too: the next bucket waits for the last.
+def _after(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
+    """``buf`` itself, but computed from ``prev`` too: the next bucket waits for the last.
 
     XLA's all-reduce combiner merges independent all-reduces into one
     multi-operand instruction (XLA:CPU then exchanges the operands one by one
     again), and it looks through an ``optimization_barrier``. A data
-    dependency stops it: ``x`` is read through a dynamic slice whose start is
-    ``|prev[0]| < -1`` (always false, i.e. 0, but not provably so to XLA).
+    dependency stops it: ``buf[0]`` is rewritten with ``buf[i]``, where
+    ``i = |prev[0]| < -1`` is always false, i.e. 0, but not provably so to
+    XLA. (A one-element buffer gets no dependency: XLA folds the clamped read.)
     """
-    if prev is None or x.shape[0] == 0:
-        return x
+    if prev is None or prev.size == 0 or buf.shape[0] == 0:
+        return buf
     p0 = prev.reshape(-1)[0].astype(jnp.float32)
-    start = (jnp.abs(p0) < -1.0).astype(jnp.int32)
-    padded = jnp.concatenate([x, x[:1]])
-    return lax.dynamic_slice_in_dim(padded, start, x.shape[0])
+    i = (jnp.abs(p0) < -1.0).astype(jnp.int32)
+    return lax.dynamic_update_slice_in_dim(buf, lax.dynamic_slice_in_dim(buf, i, 1), 0, axis=0)
+
+
+def pack(
+    pieces: Sequence[jax.Array], axis_name: AxisName, prev: jax.Array | None = None
+) -> jax.Array:
+    """The 1-D ``pieces`` (one dtype) back to back in one buffer, after ``prev``.
+
+    Written with one in-place ``dynamic_update_slice`` per piece into a zero
+    buffer, not with ``concatenate``: XLA:CPU compiled the concatenate of the
+    gradient leaves of a 1.1M-parameter MLP into a loop that took 10-50 ms
+    (10-45 ns per element, varying from call to call) where the updates take
+    ~1 ms. With ``prev`` the buffer waits for it (:func:`_after`).
+    """
+    total = sum(int(x.shape[0]) for x in pieces)
+    buf = _varying(jnp.zeros((total,), pieces[0].dtype), axis_name)
+    offset = 0
+    for x in pieces:
+        if x.shape[0]:
+            buf = lax.dynamic_update_slice_in_dim(buf, _varying(x, axis_name), offset, axis=0)
+        offset += int(x.shape[0])
+    return _after(buf, prev)
 
 
 def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) -> list:
@@ -130,8 +153,8 @@ def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) 
         if not bucket_bytes:
             out[bucket[0]] = op(arrays[bucket[0]], axis_name)
             continue
-        flat = jnp.concatenate([_varying(arrays[i], axis_name).reshape(-1) for i in bucket])
-        total = prev = op(_after(flat, prev), axis_name)
+        flat = pack([arrays[i].reshape(-1) for i in bucket], axis_name, prev)
+        total = prev = op(flat, axis_name)
         offset = 0
         for i in bucket:
             size = arrays[i].size
@@ -213,8 +236,8 @@ def all_gather(
         if not bucket_bytes:
             out[bucket[0]] = exchange.all_gather(arrays[bucket[0]], axis_name)
             continue
-        flat = jnp.concatenate([_to_bytes(_varying(arrays[i], axis_name)) for i in bucket])
-        gathered = prev = exchange.all_gather(_after(flat, prev), axis_name)  # (n, bytes)
+        flat = pack([_to_bytes(arrays[i]) for i in bucket], axis_name, prev)
+        gathered = prev = exchange.all_gather(flat, axis_name)  # (n, bytes)
         offset = 0
         for i in bucket:
             piece = gathered[:, offset : offset + sizes[i]]
