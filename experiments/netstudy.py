@@ -153,9 +153,11 @@ def measure_alpha(n: int, rate: str) -> float:
 
 
 def _comm_prediction(
-    model: str, n: int, method: str, rate_bps: float
+    model: str, n: int, method: str, rate_bps: float, steps: int
 ) -> tuple[float, float, float]:
     """Per step: bytes a worker moves, netsim seconds at ``rate_bps`` (no latency), collectives.
+
+    Averaged over the first ``steps`` steps (DGC's warm-up sends more at first).
 
     Collectives: the transform's (``wire_report``) plus the training step's loss
     ``pmean``; local SGD / DiLoCo's are amortised over their sync period.
@@ -171,23 +173,52 @@ def _comm_prediction(
     for o in MODELS[model]["overrides"]:
         key, value = o.removeprefix("--config.").split("=")
         config.model.kwargs[key.split(".")[-1]] = int(value)
-    tx = train.make_optimizer(config)
     ds = data_lib.load(config.data, n, seed=0)
     net = models.build("mlp", num_classes=ds.num_classes, **dict(config.model.kwargs))
     params = net.init(jax.random.key(0), ds.example_input(), train=False)["params"]
-    report = accounting.wire_report(tx, params, n)
-    # XLA:CPU widens 16-bit float all-reduces to f32 (see jaxcomm.accounting).
-    moved = [
-        c._replace(nbytes=2 * c.nbytes)
-        if c.kind == "all_reduce" and c.dtype in ("bfloat16", "float16")
-        else c
-        for c in report
-    ]
     link = netsim.Link(rate_bps * ETHERNET_GOODPUT, 0.0)
-    per_comm = netsim.exchange_time(moved, n, link) if moved else 0.0
     fraction = train.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
-    wire = sum(netsim_bytes(c, n) for c in moved)
-    return wire * fraction, per_comm * fraction, 1 + len(moved) * fraction
+    wire = per_comm = colls = 0.0
+    for weight, cfg in _phases(config, steps):
+        report = accounting.wire_report(train.make_optimizer(cfg), params, n)
+        # XLA:CPU widens 16-bit float all-reduces to f32 (see jaxcomm.accounting).
+        moved = [
+            c._replace(nbytes=2 * c.nbytes)
+            if c.kind == "all_reduce" and c.dtype in ("bfloat16", "float16")
+            else c
+            for c in report
+        ]
+        per_comm += weight * (netsim.exchange_time(moved, n, link) if moved else 0.0)
+        wire += weight * sum(netsim_bytes(c, n) for c in moved)
+        colls += weight * len(moved)
+    return wire * fraction, per_comm * fraction, 1 + colls * fraction
+
+
+def _phases(config, steps: int) -> list[tuple[float, object]]:
+    """``(fraction of the run's steps, config)`` for each phase with its own payload.
+
+    One phase for most methods. DGC's warm-up sends a larger share of the
+    gradient in its first epochs; its wire report counts every warm-up branch
+    at once (an upper bound), so each density of ``dgc_density_schedule`` is
+    priced as a DGC without warm-up at that density, weighted by its steps.
+    """
+    from jaxcomm.compressors.dgc import dgc_density_schedule
+
+    kw = dict(config.compressor.kwargs)
+    if config.compressor.name not in ("dgc", "dgc_sgd") or not kw.get("warmup_steps"):
+        return [(1.0, config)]
+    sched_keys = ("ratio", "warmup_steps", "warmup_epochs", "warmup_ratios")
+    schedule = dgc_density_schedule(**{k: kw[k] for k in sched_keys if k in kw})
+    counts: dict[float, int] = {}
+    for t in range(steps):
+        counts[schedule(t)] = counts.get(schedule(t), 0) + 1
+    phases = []
+    for density, count in counts.items():
+        cfg = config.copy_and_resolve_references()
+        cfg.compressor.kwargs.ratio = density
+        cfg.compressor.kwargs.warmup_steps = 0
+        phases.append((count / steps, cfg))
+    return phases
 
 
 def netsim_bytes(c, n: int) -> float:
@@ -357,8 +388,15 @@ def main(argv: list[str]) -> None:
                     cell = {"model": model, "n": n, "rate": rate, "method": method}
                     full_steps, extrapolated = steps, False
                     if rate != "loopback":
-                        wire, comm_s, colls = _comm_prediction(model, n, method, _rate_bps(rate))
+                        bps = _rate_bps(rate)
+                        wire, comm_s, colls = _comm_prediction(model, n, method, bps, steps)
                         step_lb = base["train_s"] / base["steps"]
+                        if (step_lb + comm_s) * steps > FLAGS.max_run_s:
+                            full_steps, extrapolated = FLAGS.probe_steps, True
+                            # price the steps the probe runs (DGC: its densest warm-up)
+                            wire, comm_s, colls = _comm_prediction(
+                                model, n, method, bps, full_steps
+                            )
                         extra_alpha = alphas[f"{n}/{rate}"] - alphas[f"{n}/loopback"]
                         cell.update(
                             wire_bytes_per_step=wire,
@@ -366,8 +404,6 @@ def main(argv: list[str]) -> None:
                             predicted_step_s=step_lb + colls * extra_alpha + comm_s,
                             loopback_step_s=step_lb,
                         )
-                        if (step_lb + comm_s) * steps > FLAGS.max_run_s:
-                            full_steps, extrapolated = FLAGS.probe_steps, True
                     run = _run_cell(model, n, rate, method, full_steps)
                     last = run["curve"][-1]
                     cell.update(run, steps=last["step"], train_s=last["train_s"])
