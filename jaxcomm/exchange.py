@@ -377,6 +377,7 @@ def hierarchical(
     *,
     inner_axis: str,
     inner_size: int | None = None,
+    bucket_bytes: int | None = 25 * 2**20,
 ) -> optax.GradientTransformation:
     """Two-level exchange on a 2-D mesh: dense on the fast axis, ``tx`` on the slow one.
 
@@ -404,6 +405,10 @@ def hierarchical(
       inner_axis: the fast mesh axis name (e.g. ``"local"``).
       inner_size: number of workers on ``inner_axis`` (sizes the sharded
         state); ``None`` for the replicated form.
+      bucket_bytes: the inner axis's reduce-scatter / all-gather (or dense
+        mean) go one collective per bucket of this many bytes
+        (:mod:`jaxcomm.buckets`; default 25 MiB); ``None``: one per leaf.
+        ``tx`` buckets its own slow-axis exchange.
 
     Returns:
       An ``optax.GradientTransformation`` returning the mean over both axes
@@ -421,6 +426,9 @@ def hierarchical(
         isinstance(inner_size, bool) or not isinstance(inner_size, int) or inner_size < 1
     ):
         raise ValueError(f"inner_size: expected an int >= 1 or None, got {inner_size!r}")
+    from jaxcomm import buckets  # buckets is built on this module
+
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
     def shard_len(x) -> int:
         return -(-int(np.size(x)) // inner_size)
@@ -443,7 +451,7 @@ def hierarchical(
             )
         check_per_worker(updates, (inner_axis,))
         if inner_size is None:
-            updates = pmean(updates, inner_axis)
+            updates = buckets.pmean(updates, inner_axis, bucket_bytes)
             out, inner = tx.update(updates, state.inner, params)
             return out, HierarchicalState(inner)
         n = axis_size(inner_axis)
@@ -453,11 +461,11 @@ def hierarchical(
                 f"{inner_axis!r} but the axis has {n}"
             )
 
-        def scatter(g):
-            s = psum_scatter(flat_padded(g, shard_len(g)), inner_axis)
-            return s / jnp.asarray(n, s.dtype)
-
-        shards = jax.tree.map(scatter, updates)
+        leaves, treedef = jax.tree.flatten(updates)
+        sums = buckets.psum_scatter(
+            [flat_padded(g, shard_len(g)) for g in leaves], inner_axis, bucket_bytes
+        )
+        shards = treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
         shard_params = None
         if params is not None:
             me = axis_index(inner_axis)
@@ -468,11 +476,8 @@ def hierarchical(
                 params,
             )
         out_shards, inner = tx.update(shards, state.inner, shard_params)
-        out = jax.tree.map(
-            lambda o, g: all_gather(o, inner_axis, tiled=True)[: np.size(g)].reshape(jnp.shape(g)),
-            out_shards,
-            updates,
-        )
-        return out, HierarchicalState(inner)
+        gathered = buckets.all_gather(jax.tree.leaves(out_shards), inner_axis, bucket_bytes)
+        out = [o.reshape(-1)[: np.size(g)].reshape(jnp.shape(g)) for o, g in zip(gathered, leaves)]
+        return treedef.unflatten(out), HierarchicalState(inner)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -129,3 +129,59 @@ def test_hierarchical_rejects_wrong_inner_size_and_state():
         jaxcomm.hierarchical(jaxcomm.allreduce(axis_name="node"), inner_axis="local", inner_size=0)
     with pytest.raises(TypeError, match="state: expected the HierarchicalState"):
         tx.update(PARAMS, optax.sgd(0.1).init(PARAMS))
+
+
+# Odd sizes (not multiples of the 4 local workers), fp32 + bf16, a leaf smaller than 4.
+TREE_H = {
+    "a": jnp.zeros((7, 13)),
+    "b": jnp.zeros((3,)),
+    "c": jnp.zeros((5, 9), jnp.bfloat16),
+    "d": jnp.zeros((33,)),
+}
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("inner_size", [4, None])
+def test_hierarchical_buckets_are_bit_identical_to_per_leaf(inner_size):
+    def make(**kw):
+        # the replicated form's output is typed varying over "local" when tx has per-worker
+        # state (a residual): shard_map's P() out_specs then refuse it, so dense there
+        if inner_size is None:
+            inner = jaxcomm.allreduce(axis_name="node")
+        else:
+            inner = jaxcomm.topk(0.2, axis_name="node", min_size=0)
+        return jaxcomm.hierarchical(inner, inner_axis="local", inner_size=inner_size, **kw)
+
+    results = {}
+    for size in (None, 25 * 2**20, 64):
+        tx = make(bucket_bytes=size)
+        state = H.stack(tx.init(TREE_H))
+        outs = []
+        for seed in range(2):
+            out, state = run_2d(tx, H.per_worker_grads(TREE_H, seed=seed), state)
+            outs.append(out)
+        results[size] = (_bits(outs), _bits(state))
+    assert results[25 * 2**20] == results[None]
+    assert results[64] == results[None]
+
+
+def test_hierarchical_inner_exchange_is_one_collective_per_bucket():
+    inner = jaxcomm.topk(0.2, axis_name="node", min_size=0)
+    g = H.per_worker_grads(TREE_H)
+    # one reduce-scatter per dtype (f32, bf16), one all-gather of every shard's bytes, and
+    # the slow axis's one bucketed all-gather (node axis: 2 workers)
+    bucketed = jaxcomm.hierarchical(inner, inner_axis="local", inner_size=4)
+    hlo = jaxcomm.accounting.hlo_collectives(
+        H.shard_map_compiled(bucketed, g, H.stack(bucketed.init(TREE_H)), m=mesh_2d())
+    )
+    kinds = sorted((c.kind, c.axis, c.operands) for c in hlo)
+    assert kinds == [("all_gather", 2, 1), ("all_gather", 4, 1)] + [("reduce_scatter", 4, 1)] * 2
+    per_leaf = jaxcomm.hierarchical(inner, inner_axis="local", inner_size=4, bucket_bytes=None)
+    hlo = jaxcomm.accounting.hlo_collectives(
+        H.shard_map_compiled(per_leaf, g, H.stack(per_leaf.init(TREE_H)), m=mesh_2d())
+    )
+    inner_ops = [c for c in hlo if c.axis == 4]
+    assert sum(c.operands for c in inner_ops) == 2 * len(TREE_H)  # a scatter + a gather per leaf
