@@ -67,6 +67,12 @@ flags.DEFINE_string("out", "experiments/results/netstudy.json", "JSON written (a
 flags.DEFINE_string("workroot", "runs/netstudy", "workdirs of the runs")
 flags.DEFINE_bool("report", False, "only print the markdown tables and write the plot from --out")
 flags.DEFINE_bool("alpha_worker", False, "internal: time chained scalar psums (run by --alpha)")
+flags.DEFINE_list(
+    "rerun", [], "cells to measure again although --out has them: MODEL/N/METHOD (all rates)"
+)
+flags.DEFINE_bool(
+    "repredict", False, "only recompute the netsim predictions of the cells in --out, then report"
+)
 
 # Model overrides on top of experiments/configs/digits_mlp.py.
 MODELS = {
@@ -221,6 +227,23 @@ def _phases(config, steps: int) -> list[tuple[float, object]]:
     return phases
 
 
+def predict(cell: dict, base: dict, alphas: dict, steps: int) -> dict:
+    """netsim's prediction for a shaped cell, calibrated on its loopback run ``base``.
+
+    ``steps``: the steps the cell runs (its probe's when extrapolated).
+    """
+    n, rate = cell["n"], cell["rate"]
+    wire, comm_s, colls = _comm_prediction(cell["model"], n, cell["method"], _rate_bps(rate), steps)
+    step_lb = base["train_s"] / base["steps"]
+    extra_alpha = alphas[f"{n}/{rate}"] - alphas[f"{n}/loopback"]
+    return {
+        "wire_bytes_per_step": wire,
+        "collectives_per_step": colls,
+        "predicted_step_s": step_lb + colls * extra_alpha + comm_s,
+        "loopback_step_s": step_lb,
+    }
+
+
 def netsim_bytes(c, n: int) -> float:
     """Bytes one worker sends for a collective (ring all-reduce, all-gather)."""
     if c.kind == "all_reduce":
@@ -362,6 +385,21 @@ def main(argv: list[str]) -> None:
         with open(FLAGS.out) as f:
             results = json.load(f)
     done = {(c["model"], c["n"], c["rate"], c["method"]): c for c in results["cells"]}
+    for pattern in FLAGS.rerun:
+        model, n, method = pattern.split("/")
+        done = {k: c for k, c in done.items() if (k[0], str(k[1]), k[3]) != (model, n, method)}
+    if FLAGS.repredict:
+        for (model, n, rate, method), c in done.items():
+            if rate != "loopback":
+                steps = c["steps"] if c["extrapolated"] else MODELS[model]["steps"]
+                c.update(
+                    predict(c, done[(model, n, "loopback", method)], results["alpha_s"], steps)
+                )
+        results["cells"] = list(done.values())
+        with open(FLAGS.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(report(results, FLAGS.out.removesuffix(".json") + ".png"))
+        return
 
     def save():
         results["cells"] = sorted(done.values(), key=lambda c: tuple(map(str, c.values()))[:4])
@@ -388,22 +426,11 @@ def main(argv: list[str]) -> None:
                     cell = {"model": model, "n": n, "rate": rate, "method": method}
                     full_steps, extrapolated = steps, False
                     if rate != "loopback":
-                        bps = _rate_bps(rate)
-                        wire, comm_s, colls = _comm_prediction(model, n, method, bps, steps)
-                        step_lb = base["train_s"] / base["steps"]
-                        if (step_lb + comm_s) * steps > FLAGS.max_run_s:
+                        cell.update(predict(cell, base, alphas, steps))
+                        if cell["predicted_step_s"] * steps > FLAGS.max_run_s:
                             full_steps, extrapolated = FLAGS.probe_steps, True
                             # price the steps the probe runs (DGC: its densest warm-up)
-                            wire, comm_s, colls = _comm_prediction(
-                                model, n, method, bps, full_steps
-                            )
-                        extra_alpha = alphas[f"{n}/{rate}"] - alphas[f"{n}/loopback"]
-                        cell.update(
-                            wire_bytes_per_step=wire,
-                            collectives_per_step=colls,
-                            predicted_step_s=step_lb + colls * extra_alpha + comm_s,
-                            loopback_step_s=step_lb,
-                        )
+                            cell.update(predict(cell, base, alphas, full_steps))
                     run = _run_cell(model, n, rate, method, full_steps)
                     last = run["curve"][-1]
                     cell.update(run, steps=last["step"], train_s=last["train_s"])
