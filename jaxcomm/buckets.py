@@ -134,18 +134,44 @@ def pack(
     ``dynamic_update_slice`` per piece into a zero buffer, not with
     ``concatenate``: XLA:CPU compiled the concatenate of the gradient leaves of
     a 1.1M-parameter MLP into a loop that took 10-50 ms (10-45 ns per element,
-    varying from call to call) where the updates take ~1 ms. With ``prev``
-    the buffer waits for it (:func:`_after`).
+    varying from call to call) where the updates take ~1 ms. The pieces are
+    moved as unsigned words of their width: a chain of bf16 updates was
+    ~10x slower than the same chain on their uint16 bits (62 ResNet-18 leaves).
+    With ``prev`` the buffer waits for it (:func:`_after`).
     """
+    dtype = jnp.dtype(pieces[0].dtype)
+    word = _WORDS.get(dtype.itemsize) if dtype != jnp.bool_ else None
+    if word is not None and dtype != word:  # see above: move bits, not floats
+        bits = [lax.bitcast_convert_type(x, word) for x in pieces]
+        return lax.bitcast_convert_type(pack(bits, axis_name, prev), dtype)
     lead = tuple(pieces[0].shape[:-1])
     total = sum(int(x.shape[-1]) for x in pieces)
-    buf = _varying(jnp.zeros(lead + (total,), pieces[0].dtype), axis_name)
+    buf = _varying(jnp.zeros(lead + (total,), dtype), axis_name)
     offset = 0
     for x in pieces:
         if x.shape[-1]:
             buf = lax.dynamic_update_slice_in_dim(buf, _varying(x, axis_name), offset, axis=-1)
         offset += int(x.shape[-1])
     return _after(buf.reshape(-1), prev).reshape(buf.shape)
+
+
+_WORDS = {1: jnp.dtype(jnp.uint8), 2: jnp.dtype(jnp.uint16), 4: jnp.dtype(jnp.uint32)}
+
+
+def _exact(x: jax.Array) -> jax.Array:
+    """``x`` held to its own dtype's bits: a 16-bit float payload is rounded to 16 bits.
+
+    XLA may keep a bf16/fp16 value in float32 up to the collective
+    (``xla_allow_excess_precision``) when it fuses the producer; a bucket
+    (:func:`pack`) moves the payload's 16-bit words, which rounds it. The
+    per-payload exchange rounds it too, so both exchange the same values and
+    agree bit for bit (DGC's dense bf16 leaves differed in the last bit).
+    """
+    word = _WORDS.get(jnp.dtype(x.dtype).itemsize)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or word is None or x.dtype.itemsize != 2:
+        return x
+    bits = lax.optimization_barrier(lax.bitcast_convert_type(x, word))
+    return lax.bitcast_convert_type(bits, x.dtype)
 
 
 def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) -> list:
@@ -155,7 +181,7 @@ def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) 
     prev = None
     for bucket in plan([_nbytes(x) for x in arrays], keys, bucket_bytes):
         if not bucket_bytes:
-            out[bucket[0]] = op(arrays[bucket[0]], axis_name)
+            out[bucket[0]] = op(_exact(arrays[bucket[0]]), axis_name)
             continue
         flat = pack([arrays[i].reshape(-1) for i in bucket], axis_name, prev)
         total = prev = op(flat, axis_name)
