@@ -9,8 +9,9 @@ and error-feedback residuals stay per worker. ``config.steps_per_call``
 micro-steps run inside one jitted ``lax.scan`` with donated state; each worker
 draws its batch on device from ``(seed, worker, step)``, so there is no host
 sync inside the step. Between calls: eval (worker 0's params), JSONL metrics,
-orbax checkpoints, a tqdm bar. A ``workdir`` holding a checkpoint resumes from
-it, bit for bit.
+orbax checkpoints (SHA-256 checksummed; verified on resume, falling back to the
+newest good one: :func:`restore_latest_good`), a tqdm bar. A ``workdir``
+holding a checkpoint resumes from it, bit for bit.
 
 Components are picked by name: ``config.model.name`` (:data:`models.MODELS`),
 ``config.data.name`` (:data:`data.DATASETS`), ``config.compressor.name`` (a
