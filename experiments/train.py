@@ -9,8 +9,9 @@ and error-feedback residuals stay per worker. ``config.steps_per_call``
 micro-steps run inside one jitted ``lax.scan`` with donated state; each worker
 draws its batch on device from ``(seed, worker, step)``, so there is no host
 sync inside the step. Between calls: eval (worker 0's params), JSONL metrics,
-orbax checkpoints, a tqdm bar. A ``workdir`` holding a checkpoint resumes from
-it, bit for bit.
+orbax checkpoints (SHA-256 checksummed; verified on resume, falling back to the
+newest good one: :func:`restore_latest_good`), a tqdm bar. A ``workdir``
+holding a checkpoint resumes from it, bit for bit.
 
 Components are picked by name: ``config.model.name`` (:data:`models.MODELS`),
 ``config.data.name`` (:data:`data.DATASETS`), ``config.compressor.name`` (a
@@ -21,9 +22,11 @@ axis_name="data")``), ``config.optimizer.name`` (an optax optimizer),
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -34,6 +37,8 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -250,26 +255,111 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
-def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> None:
+CHECKSUMS = "jaxcomm_checksums.p{}.json"  # beside orbax's files in checkpoints/<step>/
+
+
+def _shard_digests(state: Any) -> tuple[dict[str, str], bool]:
+    """``({leaf/shard: sha256}, all finite)`` of the shards this process holds.
+
+    Hashes the host copy of every addressable shard (replica 0 only, so each
+    shard is hashed by exactly one process): a device-to-host copy between
+    steps, no device computation. Finiteness is checked on the same copy.
+    """
+    digests, finite = {}, True
+    for path, leaf in jax.tree_util.tree_leaves_with_path(distributed.key_data(state)):
+        name = jax.tree_util.keystr(path)
+        shards = getattr(leaf, "addressable_shards", None)
+        pieces = (
+            [(s.index, s.data) for s in shards if s.replica_id == 0]
+            if shards is not None
+            else [((), leaf)]
+        )
+        for index, data in pieces:
+            host = np.ascontiguousarray(np.asarray(data))
+            digests[f"{name}@{_index_str(index, np.shape(leaf))}"] = hashlib.sha256(
+                host.tobytes()
+            ).hexdigest()
+            if np.issubdtype(host.dtype, np.inexact):
+                finite = finite and bool(np.isfinite(host).all())
+    return digests, finite
+
+
+def _index_str(index: tuple, shape: tuple) -> str:
+    """A shard's index (tuple of slices) as ``start:stop,...`` over the full shape."""
+    parts = [
+        f"{sl.start or 0}:{dim if sl.stop is None else sl.stop}" for sl, dim in zip(index, shape)
+    ]
+    return ",".join(parts)
+
+
+def _index_of(text: str) -> tuple:
+    return tuple(slice(*map(int, p.split(":"))) for p in text.split(",")) if text else ()
+
+
+def _agree(flag: bool) -> bool:
+    """``flag`` and-ed over processes (every process must take the same branch)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> bool:
     """Save the (global, possibly multi-process) state at ``step``; every process calls it.
 
     Each process writes the shards it holds and process 0 the metadata (orbax's
     multi-process save; on a cluster ``workdir`` must be a shared file system
     or bucket). A checkpoint becomes visible only once complete, so a process
     killed mid-save leaves the previous one as the latest.
+
+    Integrity: each process also writes ``checkpoints/<step>/jaxcomm_checksums.p<i>.json``,
+    the SHA-256 of every shard it holds (computed on a host copy, between
+    steps), which :func:`restore_latest_good` verifies. A state holding NaN/Inf
+    is *not* saved (absl warning; returns False): with ``max_to_keep=2`` it
+    would rotate out the last good checkpoint.
     """
+    digests, finite = _shard_digests(state)
+    if not _agree(finite):
+        logging.warning(
+            "step %d: the training state holds NaN/Inf; checkpoint not saved, so that the "
+            "last good checkpoint (step %s) is kept",
+            step,
+            mngr.latest_step(),
+        )
+        return False
     mngr.save(step, args=ocp.args.StandardSave(distributed.key_data(state)))
     mngr.wait_until_finished()
+    path = os.path.join(str(mngr.directory), str(step), CHECKSUMS.format(jax.process_index()))
+    with open(path + ".tmp", "w") as f:
+        json.dump({"step": step, "processes": jax.process_count(), "sha256": digests}, f)
+    os.replace(path + ".tmp", path)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"jaxcomm checksums {step}")
+    return True
+
+
+def checkpoint_workers(mngr: ocp.CheckpointManager, step: int) -> int:
+    """Worker count of checkpoint ``step`` (from its metadata); a clear error if unreadable."""
+    try:
+        tree = getattr(mngr.item_metadata(step), "tree", None) or {}
+        return int(tuple(tree["step"].shape)[0])
+    except Exception as e:  # orbax raises JSONDecodeError, FileNotFoundError, KeyError, ...
+        raise CorruptCheckpoint(
+            f"checkpoint at step {step}: unreadable metadata ({type(e).__name__}: {e})"
+        ) from e
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint that cannot be read, or whose contents fail verification."""
 
 
 def check_checkpoint_workers(mngr: ocp.CheckpointManager, step: int, n: int) -> None:
     """The checkpoint's per-worker state must have this run's worker count."""
-    shape = tuple(getattr(mngr.item_metadata(step), "tree", {})["step"].shape)
-    if shape != (n,):
+    held = checkpoint_workers(mngr, step)
+    if held != n:
         raise ValueError(
             f"checkpoint at step {step} holds per-worker state (error-feedback residuals, keys, "
-            f"local params) of {shape[0]} workers, but this run has {n}. Resume with "
-            f"{shape[0]} workers in all (any split into processes x devices works), or use "
+            f"local params) of {held} workers, but this run has {n}. Resume with "
+            f"{held} workers in all (any split into processes x devices works), or use "
             f"a new --workdir. jaxcomm does not merge or split per-worker residuals."
         )
 
@@ -278,11 +368,123 @@ def restore_state(mngr: ocp.CheckpointManager, step: int, like: TrainState) -> T
     """Restore checkpoint ``step`` with ``like``'s structure as host arrays (typed keys kept).
 
     Every process reads the whole state; :func:`jaxcomm.distributed.shard_rows`
-    then keeps each process's own workers' rows.
+    then keeps each process's own workers' rows. No verification: see
+    :func:`verify_state` and :func:`restore_latest_good`.
     """
     template = to_host(like)
     host = mngr.restore(step, args=ocp.args.StandardRestore(template))
     return TrainState(*from_host(tuple(host), tuple(like)))
+
+
+def verify_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> None:
+    """Raise :class:`CorruptCheckpoint` unless restored ``state`` matches its checksums.
+
+    Every shard recorded by every saving process must hash to its recorded
+    SHA-256, and every float leaf must be finite. A checkpoint written
+    without checksums (before they existed) gets the finiteness check only,
+    with a warning.
+    """
+    step_dir = os.path.join(str(mngr.directory), str(step))
+    files = sorted(f for f in os.listdir(step_dir) if f.startswith("jaxcomm_checksums.p"))
+    host = jax.tree_util.tree_leaves_with_path(distributed.key_data(state))
+    leaves = {jax.tree_util.keystr(p): np.asarray(x) for p, x in host}
+    bad = [
+        k
+        for k, x in leaves.items()
+        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all()
+    ]
+    if bad:
+        raise CorruptCheckpoint(f"checkpoint at step {step}: NaN/Inf in {', '.join(bad[:5])}")
+    if not files:
+        logging.warning(
+            "checkpoint at step %d has no checksums (older format): finiteness only", step
+        )
+        return
+    recorded: dict[str, str] = {}
+    processes = None
+    for name in files:
+        try:
+            with open(os.path.join(step_dir, name)) as f:
+                doc = json.load(f)
+            recorded.update(doc["sha256"])
+            processes = doc["processes"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpoint(
+                f"checkpoint at step {step}: unreadable checksum file {name} ({e})"
+            ) from e
+    if len(files) != processes:
+        raise CorruptCheckpoint(
+            f"checkpoint at step {step}: {len(files)} checksum files, {processes} processes saved"
+        )
+    for key, digest in recorded.items():
+        name, _, index = key.rpartition("@")
+        if name not in leaves:
+            raise CorruptCheckpoint(f"checkpoint at step {step}: no leaf {name}")
+        piece = np.ascontiguousarray(leaves[name][_index_of(index)])
+        if hashlib.sha256(piece.tobytes()).hexdigest() != digest:
+            raise CorruptCheckpoint(
+                f"checkpoint at step {step}: leaf {name} [{index}] fails its SHA-256 checksum"
+            )
+
+
+def restore_latest_good(
+    mngr: ocp.CheckpointManager, like: TrainState, n: int, workdir: str
+) -> tuple[int, TrainState]:
+    """``(step, state)`` of the newest checkpoint that reads and verifies; ``(0, like)`` if none.
+
+    Checkpoints are tried newest first. One that cannot be read (truncated
+    files, empty or broken metadata) or fails :func:`verify_state` (flipped
+    bytes, NaN/Inf) is reported with an absl warning naming the cause and
+    moved to ``workdir/corrupt_checkpoints/<step>`` (kept for inspection, and
+    out of ``max_to_keep``'s rotation), and the next older one is tried. A
+    worker-count mismatch is not corruption: it raises the clear
+    ``ValueError`` of :func:`check_checkpoint_workers`. If checkpoints exist
+    but none is usable, raises :class:`CorruptCheckpoint` listing why.
+    """
+    steps = sorted(mngr.all_steps(), reverse=True)
+    reasons = []
+    for step in steps:
+        try:
+            check_checkpoint_workers(mngr, step, n)
+            state = restore_state(mngr, step, like)
+            verify_state(mngr, step, state)
+        except ValueError as e:
+            if "holds per-worker state" in str(e):
+                raise
+            reasons.append(f"step {step}: {type(e).__name__}: {e}")
+        except Exception as e:  # orbax/tensorstore errors on truncated files, ...
+            reasons.append(f"step {step}: {type(e).__name__}: {e}")
+        else:
+            if reasons:
+                logging.warning(
+                    "resuming from checkpoint %d, the newest good one; skipped: %s",
+                    step,
+                    "; ".join(reasons),
+                )
+                _set_aside(mngr, [s for s in steps if s > step], workdir)
+            return step, state
+        logging.warning("checkpoint at step %d is unusable: %s", step, reasons[-1])
+    if steps:
+        raise CorruptCheckpoint(
+            f"no usable checkpoint in {mngr.directory}: "
+            + "; ".join(reasons)
+            + ". Move them away to start afresh, or use a new --workdir."
+        )
+    return 0, like
+
+
+def _set_aside(mngr: ocp.CheckpointManager, steps: list[int], workdir: str) -> None:
+    """Move bad checkpoints to ``workdir/corrupt_checkpoints`` (process 0), then reload."""
+    if jax.process_index() == 0:
+        aside = os.path.join(workdir, "corrupt_checkpoints")
+        os.makedirs(aside, exist_ok=True)
+        for step in steps:
+            dest = os.path.join(aside, f"{step}.{int(time.time())}")
+            shutil.move(os.path.join(str(mngr.directory), str(step)), dest)
+            logging.warning("moved unusable checkpoint %d to %s", step, dest)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxcomm set aside checkpoints")
+    mngr.reload()
 
 
 # --- the step ------------------------------------------------------------------------------
@@ -395,11 +597,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
 
     os.makedirs(workdir, exist_ok=True)
     mngr = checkpoint_manager(workdir)
-    start = 0
-    if mngr.latest_step() is not None:
-        start = int(mngr.latest_step())
-        check_checkpoint_workers(mngr, start, n)
-        state = restore_state(mngr, start, state)
+    start, state = restore_latest_good(mngr, state, n, workdir)
     state = distributed.shard_rows(state, mesh, AXIS)
     x_train, y_train = distributed.shard_rows((ds.x_train, ds.y_train), mesh, AXIS)
 

@@ -180,3 +180,123 @@ def test_resume_with_another_worker_count_says_what_the_checkpoint_holds(tmp_pat
         ValueError, match=r"holds per-worker state .* of 8 workers, but this run has 4"
     ):
         train.train_and_evaluate(config, str(tmp_path))
+
+
+def test_resume_with_fewer_workers_than_saved_says_what_the_checkpoint_holds(tmp_path):
+    config = tiny(digits_mlp.get_config(), steps=2, per_call=2)
+    config.n_workers = 4
+    train.train_and_evaluate(config, str(tmp_path))  # 4 workers
+    config = tiny(digits_mlp.get_config(), steps=4, per_call=2)  # all 8 devices
+    with pytest.raises(
+        ValueError, match=r"holds per-worker state .* of 4 workers, but this run has 8"
+    ):
+        train.train_and_evaluate(config, str(tmp_path))
+
+
+# --- checkpoint integrity (issue 12, item 8) -----------------------------------------------
+
+
+def _ckpt_cfg(steps):
+    return tiny(digits_mlp.get_config(), steps=steps, per_call=2)  # checkpoints every 2 steps
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_8(tmp_path_factory):
+    return train.train_and_evaluate(_ckpt_cfg(8), str(tmp_path_factory.mktemp("full8")))
+
+
+def _largest_data_file(step_dir):
+    files = [
+        os.path.join(root, f)
+        for root, _, names in os.walk(step_dir)
+        for f in names
+        if os.sep + "d" + os.sep in os.path.join(root, f) + os.sep or root.endswith(os.sep + "d")
+    ]
+    return max(files, key=os.path.getsize)
+
+
+def _flip(path, n=64):
+    data = bytearray(open(path, "rb").read())
+    mid = len(data) // 2
+    for i in range(mid, min(mid + n, len(data))):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(path):
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _empty_metadata(step_dir):
+    open(os.path.join(step_dir, "default", "_METADATA"), "w").close()
+
+
+@pytest.mark.parametrize("damage", ["flipped_bytes", "truncated", "empty_metadata"])
+def test_damaged_newest_checkpoint_falls_back_to_previous(
+    damage, uninterrupted_8, tmp_path, caplog
+):
+    work = str(tmp_path)
+    train.train_and_evaluate(_ckpt_cfg(6), work)  # keeps checkpoints 4 and 6
+    step6 = os.path.join(work, "checkpoints", "6")
+    if damage == "flipped_bytes":
+        _flip(_largest_data_file(step6))
+    elif damage == "truncated":
+        _truncate(_largest_data_file(step6))
+    else:
+        _empty_metadata(step6)
+    with caplog.at_level("WARNING"):
+        resumed = train.train_and_evaluate(_ckpt_cfg(8), work)
+    assert "resuming from checkpoint 4, the newest good one" in caplog.text
+    assert "step 6" in caplog.text
+    # the run went on from step 4 and ends where an uninterrupted run does
+    assert [r["step"] for r in resumed.metrics] == [2, 4, 6, 8]
+    assert_bit_equal(resumed.state, uninterrupted_8.state)
+    # the bad checkpoint was set aside (not rotated with the good ones), the good ones kept
+    assert os.listdir(os.path.join(work, "corrupt_checkpoints"))[0].startswith("6.")
+    assert sorted(train.checkpoint_manager(work).all_steps()) == [6, 8]
+
+
+def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):
+    result = train.train_and_evaluate(_ckpt_cfg(2), str(tmp_path))
+    mngr = train.checkpoint_manager(str(tmp_path))
+    template = jax.tree.map(np.zeros_like, result.state)
+    state = train.restore_state(mngr, 2, template)
+    train.verify_state(mngr, 2, state)  # intact: passes
+    kernel = np.array(state.params["Dense_0"]["kernel"])
+    kernel.view(np.uint32)[3, 0, 0] ^= 1  # one low mantissa bit: finite, plausible
+    bad = state._replace(params={**state.params, "Dense_0": {**state.params["Dense_0"]}})
+    bad.params["Dense_0"]["kernel"] = kernel
+    with pytest.raises(train.CorruptCheckpoint, match=r"Dense_0.*kernel.*\[3:4.*SHA-256"):
+        train.verify_state(mngr, 2, bad)
+    kernel[0, 0, 0] = np.nan
+    with pytest.raises(train.CorruptCheckpoint, match=r"NaN/Inf in .*Dense_0"):
+        train.verify_state(mngr, 2, bad)
+
+
+def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
+    work = str(tmp_path)
+    train.train_and_evaluate(_ckpt_cfg(4), work)
+    for step in ("2", "4"):
+        _empty_metadata(os.path.join(work, "checkpoints", step))
+    with pytest.raises(
+        train.CorruptCheckpoint, match=r"no usable checkpoint .*unreadable metadata"
+    ):
+        train.train_and_evaluate(_ckpt_cfg(6), work)
+
+
+def test_nonfinite_state_is_not_saved_and_keeps_the_last_good(tmp_path, caplog):
+    work = str(tmp_path)
+    result = train.train_and_evaluate(_ckpt_cfg(4), work)
+    mngr = train.checkpoint_manager(work)
+    state = result.state
+    kernel = np.array(state.params["Dense_0"]["kernel"])
+    kernel[0, 0, 0] = np.inf
+    params = {**state.params, "Dense_0": {**state.params["Dense_0"], "kernel": kernel}}
+    with caplog.at_level("WARNING"):
+        assert train.save_state(mngr, 6, state._replace(params=params)) is False
+        assert train.save_state(mngr, 8, state._replace(params=params)) is False
+    assert "NaN/Inf; checkpoint not saved" in caplog.text
+    assert sorted(mngr.all_steps()) == [2, 4]  # nothing rotated out
+    assert train.save_state(mngr, 6, state) is True
+    assert sorted(mngr.all_steps()) == [4, 6]
