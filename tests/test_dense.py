@@ -1,5 +1,6 @@
 """allreduce and cast against NumPy, on 8 workers."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -77,3 +78,21 @@ def test_cast_error_feedback_keeps_the_rounding_error():
     expected = np.asarray(g["w"]).astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(out["w"], expected)
     np.testing.assert_array_equal(state.residual["w"], np.asarray(g["w"]) - expected)
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_cast_fp16_psum_does_not_overflow_at_the_edge_of_the_range(n):
+    # |g| in [2e4, 6e4] with one sign: the fp16 sum of n of them is far above 65504
+    params = {"w": jnp.zeros((4096,))}
+    rng = np.random.default_rng(5)
+    g = {"w": jnp.asarray(rng.uniform(2e4, 6e4, size=(n, 4096)), jnp.float32)}
+    tx = jaxcomm.cast(jnp.float16, axis_name="data", min_size=0)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(params), n), m=mesh)
+    exact = np.asarray(g["w"], np.float64).mean(0)
+    got = np.asarray(out["w"], np.float64)
+    assert np.all(np.isfinite(got))
+    # each g/n rounds once to fp16, each of the n-1 additions once: relative error <= n * eps
+    np.testing.assert_allclose(got, exact, rtol=n * float(np.finfo(np.float16).eps))
+    # still 2 bytes per entry on the wire
+    assert jaxcomm.wire_bytes(tx, params, n) == 2 * 4096
