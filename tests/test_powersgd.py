@@ -10,7 +10,7 @@ import pytest
 
 import jaxcomm
 from experiments import digits
-from jaxcomm.compressors.powersgd import PowerSGDState, orthogonalize
+from jaxcomm.compressors.powersgd import PowerSGDState, leaf_plan, orthogonalize
 from tests import helpers as H
 
 KEY = jax.random.key(0)
@@ -37,11 +37,13 @@ def np_powersgd_step(ms, q):
     return p_hat @ q_mean.T, residuals, q_mean
 
 
-def test_two_steps_match_numpy_on_4_devices():
+@pytest.mark.parametrize("view", ["first", "last"])
+def test_two_steps_match_numpy_on_4_devices(view):
     params = {"w": jnp.zeros((12, 10)), "c": jnp.zeros((6, 2, 5)), "b": jnp.zeros((7,))}
-    tx = jaxcomm.powersgd(2, key=KEY, axis_name="data", min_compression_rate=1.0)
+    tx = jaxcomm.powersgd(2, key=KEY, axis_name="data", min_compression_rate=1.0, matrix_view=view)
     state = H.stack(tx.init(params), 4)
-    assert len(state.q) == 2  # w (12x10) and c viewed as 6x10 are compressed, b is dense
+    # w (12x10) and c (6x10 "first", torch's view; 12x5 "last") are compressed, b is dense
+    assert len(state.q) == 2
     q = {k: np.asarray(x[0], np.float64) for k, x in zip(("c", "w"), state.q)}  # flatten order
     res = {k: np.zeros((4,) + params[k].shape) for k in ("c", "w")}
     for step in range(2):
@@ -49,7 +51,9 @@ def test_two_steps_match_numpy_on_4_devices():
         out, state = run4(tx, g, state)
         for k in ("c", "w"):
             gk = np.asarray(g[k], np.float64)
-            ms = (gk + res[k]).reshape(4, params[k].shape[0], -1)
+            shape = params[k].shape
+            a, b = (shape[0], -1) if view == "first" else (-1, shape[-1])
+            ms = (gk + res[k]).reshape(4, a, b)
             ref, r, q[k] = np_powersgd_step(ms, q[k])
             res[k] = r.reshape(res[k].shape)
             np.testing.assert_allclose(out[k], ref.reshape(params[k].shape), atol=2e-5)
@@ -204,18 +208,18 @@ def test_batched_equals_unbatched():
 def test_wire_bytes_and_hlo_match_the_formula():
     params = {
         "w": jnp.zeros((64, 32)),
-        "conv": jnp.zeros((16, 3, 3, 8)),
+        "conv": jnp.zeros((3, 3, 8, 16)),  # Flax HWIO: viewed (72, 16)
         "b": jnp.zeros((32,)),
         "tiny": jnp.zeros((4, 4)),
     }
     r = 2
-    compressed = [(64, 32), (16, 72)]  # tiny: (4+4)·2·2 >= 16 goes dense
+    compressed = [(64, 32), (72, 16)]  # tiny: (4+4)·2·2 >= 16 goes dense
     expected = sum((a + b) * r * 4 for a, b in compressed) + (32 + 16) * 4
     tx = jaxcomm.powersgd(r, key=KEY, axis_name="data")
     assert jaxcomm.wire_bytes(tx, params, H.N) == expected
     report = jaxcomm.accounting.wire_report(tx, params, H.N)
     # one bucket: one all-reduce of all P's with the dense leaves, one of all Q's
-    assert [c.nbytes for c in report] == [(64 + 16) * r * 4 + 32 * 4 + 16 * 4, (32 + 72) * r * 4]
+    assert [c.nbytes for c in report] == [(64 + 72) * r * 4 + 32 * 4 + 16 * 4, (32 + 16) * r * 4]
     per_leaf = jaxcomm.powersgd(r, key=KEY, axis_name="data", bucket_bytes=None)
     assert sorted(
         c.nbytes for c in jaxcomm.accounting.wire_report(per_leaf, params, H.N)
@@ -249,8 +253,8 @@ def test_start_iter_averages_densely_first():
 
 def test_matrix_view_last_suits_flax_conv_kernels():
     params = {"conv": jnp.zeros((3, 3, 16, 32))}  # Flax (kh, kw, in, out)
-    first = jaxcomm.powersgd(2, key=KEY, axis_name="data")
-    last = jaxcomm.powersgd(2, key=KEY, axis_name="data", matrix_view="last")
+    first = jaxcomm.powersgd(2, key=KEY, axis_name="data", matrix_view="first")
+    last = jaxcomm.powersgd(2, key=KEY, axis_name="data")  # the default
     # "first": a 3 x 4608 matrix, (3 + 4608)·2·2 > 13824: dense; "last": 144 x 32
     assert first.init(params).q == ()
     assert last.init(params).q[0].shape == (32, 2)
@@ -326,3 +330,37 @@ def test_convergence_on_digits_within_one_point_of_sgd():
         4 * sum(math.prod(x.shape) for x in params.values())
     )
     assert ratio < 0.15, ratio
+
+
+def _resnet18_params():
+    from experiments import models
+
+    model = models.ResNet(num_classes=10, stages=(64, 128, 256, 512), blocks=2)
+    return jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))["params"]
+
+
+def test_flax_resnet18_every_kernel_compressed_and_bytes_match_torchs_rule():
+    params = _resnet18_params()
+    plan = leaf_plan(params, 2)
+    kernels = [d for d in plan if len(d["shape"]) >= 2]
+    assert len(kernels) >= 21 and all(d["compressed"] for d in kernels), [
+        (d["path"], d["reason"]) for d in kernels if not d["compressed"]
+    ]
+    assert all(d["reason"] == "1-D or empty" for d in plan if not d["compressed"])
+    # torch's hook on the same network (OIHW weights viewed (out, in·kh·kw), rank 2, rate 2):
+    # each weight with (n + m)·r·2 < n·m sends (n + m)·r floats, everything else dense
+    torch_floats = 0
+    for leaf in jax.tree.leaves(params):
+        shape = leaf.shape
+        if len(shape) < 2:
+            torch_floats += math.prod(shape)
+            continue
+        n, m = shape[-1], math.prod(shape[:-1])  # out, in·kh·kw of the OIHW twin
+        r = min(2, n, m)
+        torch_floats += (n + m) * r if (n + m) * r * 2 < n * m else n * m
+    ours = jaxcomm.wire_bytes(jaxcomm.powersgd(2, key=KEY, axis_name="data"), params, H.N)
+    # ours also agrees the step count (4 bytes): within 2% of torch's figure
+    assert abs(ours - 4 * torch_floats) <= 0.02 * 4 * torch_floats, (ours, 4 * torch_floats)
+    # torch's view on the Flax layout leaves most of the network dense (the old default)
+    first = jaxcomm.powersgd(2, key=KEY, axis_name="data", matrix_view="first")
+    assert jaxcomm.wire_bytes(first, params, H.N) > 50 * ours

@@ -27,7 +27,7 @@ from jax import lax
 from jaxcomm import buckets, core, exchange
 from jaxcomm.exchange import AxisName
 
-__all__ = ["PowerSGDState", "powersgd", "orthogonalize"]
+__all__ = ["PowerSGDState", "leaf_plan", "powersgd", "orthogonalize"]
 
 # Gram-Schmidt treats a column whose norm after projection is at most this
 # fraction of its norm before as dependent on the previous ones (it becomes 0).
@@ -81,6 +81,40 @@ def _plan(
         # torch's rule: compress iff (a + b)·r · min_compression_rate < a·b
         plan.append(_Leaf(a, b, r) if (a + b) * r * min_rate < a * b else None)
     return plan
+
+
+def leaf_plan(
+    params: Any, rank: int = 2, *, min_compression_rate: float = 2.0, matrix_view: str = "last"
+) -> list[dict]:
+    """Per leaf of ``params``: how :func:`powersgd` sends it, and why.
+
+    Returns one dict per leaf (tree-flatten order): ``path``, ``shape``,
+    ``compressed`` (bool), ``matrix`` ``(a, b)`` and ``rank`` when compressed,
+    ``floats`` sent per step (``(a + b)·r`` compressed, the size otherwise) and
+    ``reason``: ``"low rank"``, ``"1-D or empty"`` or ``"(a + b)·r·rate >=
+    a·b"`` (compressing would not save ``min_compression_rate``×, torch's rule).
+
+    Example:
+      >>> [(d["path"], d["reason"]) for d in leaf_plan(params) if not d["compressed"]]
+    """
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    shapes = [tuple(jnp.shape(x)) for _, x in flat]
+    plan = _plan(shapes, rank, min_compression_rate, matrix_view)
+    out = []
+    for (path, _), shape, leaf in zip(flat, shapes, plan):
+        d = {"path": jax.tree_util.keystr(path), "shape": shape, "compressed": leaf is not None}
+        if leaf is not None:
+            d.update(matrix=(leaf.a, leaf.b), rank=leaf.r, floats=(leaf.a + leaf.b) * leaf.r)
+            d["reason"] = "low rank"
+        else:
+            d["floats"] = math.prod(shape)
+            d["reason"] = (
+                "1-D or empty"
+                if len(shape) < 2 or math.prod(shape) == 0
+                else f"(a + b)·r·{min_compression_rate:g} >= a·b"
+            )
+        out.append(d)
+    return out
 
 
 def orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
@@ -161,7 +195,7 @@ def powersgd(
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
     batch_same_shape: bool = False,
-    matrix_view: str = "first",
+    matrix_view: str = "last",
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
@@ -220,12 +254,15 @@ def powersgd(
       batch_same_shape: stack matrices of equal shape and rank, so each group
         is one batched matmul and orthogonalisation (faster for many equal
         layers, e.g. transformer blocks). Same result, same bytes.
-      matrix_view: ``"first"``: ``(shape[0], rest)``, torch's view, right for
-        torch-layout weights (conv ``(out, in, kh, kw)``, linear ``(out,
-        in)``). ``"last"``: ``(rest, shape[-1])``, right for Flax layouts
-        (conv ``(kh, kw, in, out)`` would otherwise be a kh-row matrix;
-        Dense ``(in, out)`` is the same matrix either way). Both are plain
-        reshapes, no transposes.
+      matrix_view: ``"last"`` (default): ``(rest, shape[-1])``, right for
+        Flax/JAX layouts, out-features last (conv ``(kh, kw, in, out)`` ->
+        ``(kh·kw·in, out)``; Dense ``(in, out)``). ``"first"``: ``(shape[0],
+        rest)``, torch's view, for torch-layout weights (conv ``(out, in, kh,
+        kw)``). With ``"first"`` a Flax HWIO kernel is a kh-row matrix that
+        the compression-rate rule leaves dense: on a Flax ResNet-18 only 2 of
+        21 kernels were compressed (44.7 MB per step instead of ~0.35 MB).
+        Both are plain reshapes, no transposes. :func:`leaf_plan` lists
+        which leaves are compressed and why the others go dense.
       bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
         of at most this many bytes, one all-reduce each, filled from the last
         leaf to the first; then all Q's likewise. Default 25 MiB (DDP's);
