@@ -156,13 +156,54 @@ def test_nonfinite_gradient_never_enters_the_residual(bad):
     assert int(ws.notfinite_count) == 1
 
 
-def test_updates_keep_their_dtype_and_residual_keeps_param_dtype():
+def test_updates_keep_their_dtype_and_residual_is_float32_for_bf16_params():
     params = {"w": jnp.zeros((64, 32), jnp.bfloat16)}
     tx = jaxcomm.topk(0.1, min_size=0)
     state = tx.init(params)
-    assert state.residual["w"].dtype == jnp.bfloat16
+    assert state.residual["w"].dtype == jnp.float32
     out, state = tx.update({"w": jnp.ones((64, 32), jnp.bfloat16)}, state)
-    assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.bfloat16
+    assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
+    # the payload is still encoded in bf16: same bytes as before
+    assert jaxcomm.wire_bytes(jaxcomm.topk(0.1, min_size=0, axis_name="data"), params, 8) == (
+        205 * (2 + 4)
+    )
+    # state_dtype= keeps it in bf16 for users who must save the memory
+    low = jaxcomm.core.compress(
+        jaxcomm.compressors.sparse.TopK(0.1), min_size=0, state_dtype=jnp.bfloat16
+    )
+    assert low.init(params).residual["w"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="state_dtype"):
+        jaxcomm.core.compress(jaxcomm.compressors.sparse.TopK(0.1), state_dtype=jnp.int32)
+
+
+def test_bf16_small_gradients_beside_large_ones_are_all_sent_eventually():
+    # 40 large entries every step; the other 4056 get 1e-3 each step. With a bf16 residual,
+    # e + 1e-3 rounds to a bf16 neighbour of e (0.002 apart near 0.25): mass is lost or made.
+    # Error feedback telescopes: sum of what was sent + last residual = sum of gradients.
+    d, steps = 4096, 300
+    g = np.full(d, 1e-3)
+    g[::103] = 1.0
+    grads = {"w": jnp.asarray(g, jnp.bfloat16)}
+    total = steps * np.asarray(grads["w"], np.float64)
+    small = g < 0.5
+
+    def run(state_dtype):
+        tx = jaxcomm.core.compress(
+            jaxcomm.compressors.sparse.TopK(0.01), min_size=0, state_dtype=state_dtype
+        )
+        state = tx.init({"w": jnp.zeros(d, jnp.bfloat16)})
+        step = jax.jit(tx.update)
+        sent = np.zeros(d)
+        for _ in range(steps):
+            out, state = step(grads, state)
+            sent += np.asarray(out["w"], np.float64)
+        return sent, np.asarray(state.residual["w"], np.float64)
+
+    sent, left = run(None)  # the default: a float32 residual
+    np.testing.assert_allclose(sent + left, total, rtol=0, atol=1e-3)
+    sent, left = run(jnp.bfloat16)  # what bf16 params used to get: e + g rounds to bf16
+    error = np.abs(total - sent - left)[small].sum()
+    assert error > 0.1 * total[small].sum()
 
 
 def test_typed_and_raw_keys_give_the_same_stream():

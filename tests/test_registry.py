@@ -7,6 +7,7 @@ go to the jaxcomm transform that communicates (tests/test_buckets.py).
 """
 
 import inspect
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +211,21 @@ def test_chain_with_sgd_runs_under_shard_map_with_replicated_params(name):
         jax.device_put(PARAMS, rep), jax.device_put(opt_state, sh), jax.device_put(g, sh)
     )
     assert all(np.any(np.asarray(new_params[k]) != 0) for k in PARAMS)
+
+
+def test_a_transform_refuses_another_transforms_state():
+    # Variants of one factory (e.g. topk and topk:global) share a state layout and may
+    # exchange states; states of different factories must never pass silently.
+    ones = jax.tree.map(jnp.ones_like, PARAMS)
+    silent = []
+    for a, b in itertools.permutations(sorted(REGISTRY), 2):
+        if a.split(":")[0] == b.split(":")[0]:
+            continue
+        foreign = REGISTRY[b](None).init(PARAMS)
+        try:
+            REGISTRY[a](None).update(ones, foreign, PARAMS)
+        except (TypeError, ValueError) as e:
+            assert "state" in str(e), (a, b, str(e))
+        else:
+            silent.append((a, b))
+    assert not silent, silent

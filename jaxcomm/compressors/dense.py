@@ -109,6 +109,7 @@ def cast(
     error_feedback: bool = False,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
@@ -123,6 +124,8 @@ def cast(
         ring all-reduce).
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -169,6 +172,7 @@ def cast(
         error_feedback=error_feedback,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 

@@ -141,6 +141,7 @@ def int8(
     error_feedback: bool = False,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Int8 quantisation with one max-abs scale per bucket (1 byte per entry).
 
@@ -163,6 +164,8 @@ def int8(
       axis_name: mesh axis to average over; ``None`` quantises locally.
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -190,6 +193,7 @@ def int8(
         min_size=min_size,
         key=key,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -249,6 +253,7 @@ def qsgd(
     error_feedback: bool = False,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """QSGD: unbiased stochastic quantisation to ``levels`` levels per bucket.
 
@@ -271,6 +276,8 @@ def qsgd(
       error_feedback: keep the quantisation error in a residual (the plain
         method, unbiased, has none).
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -297,6 +304,7 @@ def qsgd(
         min_size=min_size,
         key=key,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -407,6 +415,7 @@ def terngrad(
     error_feedback: bool = False,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """TernGrad: unbiased ternary gradients ``s·sign(g)·b``, ``b ~ Bernoulli(|g|/s)``.
 
@@ -436,6 +445,8 @@ def terngrad(
       share_scale: agree on one scale across workers and psum the codes.
       error_feedback: keep ``p − g̃`` (clipping loss included) in a residual.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -462,6 +473,7 @@ def terngrad(
         min_size=min_size,
         key=key,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 

@@ -92,6 +92,7 @@ def onebit(
     error_feedback: bool = True,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """1-bit SGD: signs with two reconstruction values, error feedback on.
 
@@ -113,6 +114,8 @@ def onebit(
       error_feedback: keep ``p − p̂`` in a residual (the method relies on it;
         turn off only to study its effect).
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -136,6 +139,7 @@ def onebit(
         error_feedback=error_feedback,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -170,6 +174,7 @@ def ef_sign(
     error_feedback: bool = True,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """EF-SignSGD: the scaled sign ``(‖p‖₁/d)·sign(p)`` with error feedback.
 
@@ -186,6 +191,8 @@ def ef_sign(
       error_feedback: keep ``p − C(p)`` in a residual. ``False`` gives plain
         scaled signSGD, which Karimireddy et al. show can fail to converge.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -207,6 +214,7 @@ def ef_sign(
         error_feedback=error_feedback,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -256,6 +264,7 @@ def sign_majority(
     axis_name: AxisName | None = None,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """signSGD with majority vote: every worker gets ``sign(Σ_w sign(g_w))``.
 
@@ -280,6 +289,8 @@ def sign_majority(
     Args:
       axis_name: mesh axis to vote over; ``None`` returns ``sign(g)``.
       min_size: leaves with fewer entries are averaged densely (not signed).
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -304,6 +315,7 @@ def sign_majority(
         error_feedback=False,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -347,6 +359,7 @@ def twobit(
     axis_name: AxisName | None = None,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """MXNet's 2-bit gradient compression with a residual.
 
@@ -363,6 +376,8 @@ def twobit(
       threshold: τ > 0.
       axis_name: mesh axis to average over; ``None`` quantises locally.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -386,6 +401,7 @@ def twobit(
         error_feedback=True,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 

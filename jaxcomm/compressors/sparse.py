@@ -76,6 +76,7 @@ def topk(
     scope: str = "leaf",
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback.
 
@@ -92,6 +93,8 @@ def topk(
       scope: ``"leaf"`` (k per leaf) or ``"global"`` (k of the whole
         flattened tree of compressible leaves).
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -115,6 +118,7 @@ def topk(
         min_size=min_size,
         scope=scope,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -202,6 +206,7 @@ def randomk(
     sampling: str = "uniform",
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Random-k sparsification.
 
@@ -223,6 +228,8 @@ def randomk(
         d) or ``"stratified"`` (one uniform index in each of k equal strata;
         costs k random numbers). See :class:`RandomK`.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -255,6 +262,7 @@ def randomk(
         min_size=min_size,
         key=key,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
@@ -421,6 +429,7 @@ def threshold(
     error_feedback: bool = True,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Fast sparsification: strided-block top-k with a sampled threshold and a static cap.
 
@@ -461,6 +470,8 @@ def threshold(
       error_feedback: keep unsent entries in a residual. Strongly advised:
         without it, entries beyond one per slot are lost.
       min_size: leaves with fewer entries are averaged densely.
+      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
+        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
       bucket_bytes: tensor fusion: payloads of all leaves are packed into one
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
@@ -485,6 +496,7 @@ def threshold(
         error_feedback=error_feedback,
         min_size=min_size,
         bucket_bytes=bucket_bytes,
+        state_dtype=state_dtype,
     )
 
 
