@@ -90,19 +90,24 @@ CASES: dict[str, Callable[[float], object]] = {
 MATRIX_CASES = {name for name in CASES if name.startswith("powersgd")}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("sizes", ["100000", "1000000", "4000000", "10000000"], "entries per device")
-flags.DEFINE_float("ratio", 0.001, "sparsification ratio for sparsifiers")
-flags.DEFINE_list("cases", list(CASES), "which compressors to run")
-flags.DEFINE_integer("reps", 9, "timed repetitions (median is reported)")
-flags.DEFINE_string("out", "bench_out/compressors.json", "JSON output path")
-flags.DEFINE_enum(
-    "tree",
-    None,
-    ["resnet18", "gpt2"],
-    "benchmark on a parameter tree shaped like ResNet-18 (ImageNet, torch layout) or a "
-    "GPT-2-small block stack instead of --sizes",
-)
-flags.DEFINE_integer("gpt2_layers", 12, "blocks in the --tree gpt2 stack (7.1M params each)")
+
+
+def define_flags() -> None:
+    """The command-line flags; defined only when run as a program, so that importing this
+    module (tests) does not clash with other experiments' flags of the same name."""
+    flags.DEFINE_list("sizes", ["100000", "1000000", "4000000", "10000000"], "entries per device")
+    flags.DEFINE_float("ratio", 0.001, "sparsification ratio for sparsifiers")
+    flags.DEFINE_list("cases", list(CASES), "which compressors to run")
+    flags.DEFINE_integer("reps", 9, "timed repetitions (median is reported)")
+    flags.DEFINE_string("out", "bench_out/compressors.json", "JSON output path")
+    flags.DEFINE_enum(
+        "tree",
+        None,
+        ["resnet18", "gpt2"],
+        "benchmark on a parameter tree shaped like ResNet-18 (ImageNet, torch layout) or a "
+        "GPT-2-small block stack instead of --sizes",
+    )
+    flags.DEFINE_integer("gpt2_layers", 12, "blocks in the --tree gpt2 stack (7.1M params each)")
 
 
 def _median_time(fn: Callable[[], object], reps: int) -> float:
@@ -361,4 +366,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
