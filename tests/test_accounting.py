@@ -40,7 +40,13 @@ def test_wire_bytes_closed_forms(n):
         jaxcomm.wire_bytes(rkw, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
     )
     th = jaxcomm.threshold(0.01, axis_name="x")
-    slots = sum(math.ceil(v / math.ceil(v / k_of(0.01, v))) for v in d.values())
+    # m slots per leaf, m the largest prime <= k: 47 of k = 50, 29 of k = 30
+
+    def prime_at_most(k):
+        return max(p for p in range(2, k + 1) if all(p % q for q in range(2, p)))
+
+    slots = sum(prime_at_most(k_of(0.01, v)) for v in d.values())
+    assert slots == 47 + 29
     assert jaxcomm.wire_bytes(th, PARAMS, n) == 8 * slots + DENSE_B
 
 
