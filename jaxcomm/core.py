@@ -77,6 +77,8 @@ class Compressor(Protocol):
     # Optional (CompressorBase has defaults):
     #   decode_mean(received, aux, d, dtype, n) -> decode(...) / n; sparse
     #     compressors scale the k values instead of the dense vector.
+    #   carries_nonfinite: True when a NaN/Inf entry of p reaches every worker's
+    #     decoded mean by itself (casts, dense): no NaN flag is exchanged.
     #   all_finite(p, payload, aux) -> bool scalar: no NaN/Inf in p. The default
     #     reads all of p; top-k and threshold read only what they selected,
     #     which always includes a non-finite entry if there is one.
@@ -110,8 +112,9 @@ class CompressState(NamedTuple):
         deterministic compressors.
       residual: error-feedback memory, same tree/shapes/dtypes as the params
         (one extra copy of the model); ``None`` without error feedback.
-      nonfinite: int32 ``[]``, number of steps in which this worker's gradient
-        held NaN or Inf; on those steps the residual was left unchanged.
+      nonfinite: int32 ``[]``, number of steps in which some worker's gradient
+        (``g + e``) held NaN or Inf; on those steps the residual was left
+        unchanged and the update was NaN on every worker.
     """
 
     count: jax.Array
@@ -307,6 +310,43 @@ def _encode_all(
     return [(tuple(payload), aux) for payload, aux in out]
 
 
+def _flag(ok: jax.Array, payload: Payload, kind: str) -> jax.Array:
+    """The NaN rule's per-worker flag: 1 if this worker's ``g + e`` was not finite.
+
+    psum: one entry in the dtype of the last payload array (it joins that
+    dtype's bucket: no collective of its own); the sum is > 0 iff some
+    worker's flag was set. all_gather: one byte (gathered buckets are bytes).
+    """
+    dtype = jnp.result_type(payload[-1]) if kind == "psum" and payload else jnp.uint8
+    return (~ok).astype(dtype)
+
+
+def nan_flag_bytes(
+    compressor: Compressor, d: int = 1024, dtype: Any = jnp.float32, n_workers: int = 8
+) -> int:
+    """Bytes a worker adds per step for the NaN rule's flag (see :func:`compress`).
+
+    0 for compressors that carry NaN/Inf in their payload (dense, casts); 1
+    for all-gathered payloads; else one entry of the psum payload's dtype
+    (for a vector of ``d`` entries of ``dtype`` over ``n_workers``).
+    Counted once per transform and step, not per leaf.
+    """
+    if getattr(compressor, "carries_nonfinite", False):
+        return 0
+    if compressor.kind != "psum":
+        return 1
+    key = jax.random.key_data(jax.random.key(0)) if compressor.needs_key else None
+    axis = getattr(compressor, "axis_name", None)
+    enc = lambda p: compressor.encode(p, key)[0]  # noqa: E731
+    if axis is not None:  # encoders that read the axis size: trace under a bound axis
+        enc = jax.vmap(enc, axis_name=axis, axis_size=n_workers)
+        shape: tuple[int, ...] = (n_workers, d)
+    else:
+        shape = (d,)
+    payload = jax.eval_shape(enc, jax.ShapeDtypeStruct(shape, dtype))
+    return jnp.dtype(payload[-1].dtype).itemsize
+
+
 def _slices(group: list[int], ps: dict[int, jax.Array]) -> list[tuple[int, slice]]:
     """(leaf index, its slice of the group's concatenated vector) for each leaf."""
     if len(group) == 1:
@@ -368,11 +408,18 @@ def compress(
       :class:`CompressState`. Updates come out in the dtype they came in;
       the payload is encoded from the gradient's dtype (same bytes).
 
-    Non-finite gradients: if any compressible leaf of a worker's ``g + e``
-    holds NaN/Inf, that worker's residual is left unchanged for the step
-    (``state.nonfinite`` counts such steps) and the NaN/Inf passes through to
-    the output, so wrap the chain in ``optax.apply_if_finite`` to skip such
-    steps. Residuals are never poisoned.
+    Non-finite gradients (the NaN rule): if any compressible leaf of any
+    worker's ``g + e`` holds NaN/Inf, the compressed leaves' update is NaN on
+    every worker (a compressor may not send the bad entry, e.g. random-k, so
+    each worker adds a flag to the exchange: 1 byte in the all-gather, or one
+    entry of the payload's dtype in the psum, in the first bucket; no extra
+    collective; casts and dense means carry NaN/Inf by themselves and send
+    none), and every worker's residual is left unchanged for the step (casts:
+    the residual of the worker whose gradient was not finite)
+    (``state.nonfinite`` counts such steps): state is never poisoned. Dense
+    (small) leaves are plain means, so a NaN there reaches every worker too.
+    To skip such steps, wrap the chain in :func:`jaxcomm.skip_nonfinite`,
+    which decides from the (agreed) update, after the exchange.
 
     Integer or bool leaves raise ``TypeError``: filter them out first.
     """
@@ -474,6 +521,20 @@ def compress(
             vecs.append(vec)
             keys.append(None if step_key is None else jax.random.fold_in(step_key, gi))
         encoded = _encode_all(compressor, vecs, keys, axis_name, bucket_bytes)
+        # This worker's g + e all finite? (top-k and threshold look only at what
+        # they selected, which includes any NaN/Inf.) Agreed over the axis below.
+        ok = jnp.all(
+            jnp.stack(
+                [
+                    compressor.all_finite(vec, payload, aux)
+                    if hasattr(compressor, "all_finite")
+                    else jnp.isfinite(jnp.sum(vec * 0))
+                    for vec, (payload, aux) in zip(vecs, encoded)
+                ]
+            )
+            if vecs
+            else jnp.ones((), jnp.bool_)
+        )
 
         # The wire: dense leaves (plain mean, no residual) and payloads, in leaf
         # order; bucketed, one collective per bucket.
@@ -496,38 +557,40 @@ def compress(
                     gi = first[i]
                     dest = summed if compressor.kind == "psum" else gathered
                     dest.extend((("group", gi), x) for x in encoded[gi][0])
+            flagged = groups and not getattr(compressor, "carries_nonfinite", False)
+            if flagged:  # the NaN rule's flag rides in the first bucket (see _flag)
+                dest = summed if compressor.kind == "psum" else gathered
+                dest.append((("flag", 0), _flag(ok, encoded[-1][0], compressor.kind)))
             sums = buckets.psum([x for _, x in summed], axis_name, bucket_bytes)
             gath = buckets.all_gather([x for _, x in gathered], axis_name, bucket_bytes)
             parts: dict[int, list[jax.Array]] = {gi: [] for gi in range(len(groups))}
             for (tag, j), x in zip([t for t, _ in summed] + [t for t, _ in gathered], sums + gath):
                 if tag == "leaf":
                     outputs[j] = x / jnp.asarray(n, x.dtype)
+                elif tag == "flag":
+                    ok = ~jnp.any(x > 0)
                 else:
                     parts[j].append(x)
             received = [tuple(parts[gi]) for gi in range(len(groups))]
 
-        finites: list[jax.Array] = []
         for gi, group in enumerate(groups):
             vec, (payload, aux) = vecs[gi], encoded[gi]
             if axis_name is None:
                 mean = compressor.decode(received[gi], aux, vec.shape[0], vec.dtype)
             else:
                 mean = _decode_mean(compressor, received[gi], aux, vec.shape[0], vec.dtype, n)
+            if not getattr(compressor, "carries_nonfinite", False):
+                # some worker's gradient was not finite: the update is NaN on every worker
+                mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
             for i, sl in _slices(group, ps):
                 outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
-            if error_feedback:
-                finites.append(
-                    compressor.all_finite(vec, payload, aux)
-                    if hasattr(compressor, "all_finite")
-                    else jnp.isfinite(jnp.sum(vec * 0))
-                )
         encoded = [(group, vecs[gi], *encoded[gi]) for gi, group in enumerate(groups)]
         if not error_feedback:
             encoded = []
 
         nonfinite = state.nonfinite
         if encoded:
-            finite = jnp.all(jnp.stack(finites))
+            finite = ok
             for group, vec, payload, aux in encoded:
                 if any(i in ps_state for i in group):  # the residual's precision
                     dtype = jnp.result_type(*[residuals[i].dtype for i in group])

@@ -13,6 +13,9 @@ from tests import helpers as H
 
 PARAMS = {"w": jnp.zeros((100, 50)), "e": jnp.zeros((3000,)), "b": jnp.zeros((10,))}
 DENSE_B = 10 * 4  # "b" is below min_size=1024: dense fp32
+# The NaN rule's flag (jaxcomm.core._flag): one byte in an all-gather, one entry of the
+# payload's dtype in a psum.
+GATHER_FLAG = 1
 
 
 def k_of(ratio, d):
@@ -23,21 +26,25 @@ def k_of(ratio, d):
 def test_wire_bytes_closed_forms(n):
     d = {"w": 5000, "e": 3000}
     assert jaxcomm.wire_bytes(jaxcomm.allreduce(axis_name="x"), PARAMS, n) == 4 * 8010
+    # casts carry NaN/Inf in the payload itself: no flag
     assert jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n) == 2 * 8000 + DENSE_B
     topk = jaxcomm.topk(0.01, axis_name="x")
     assert (
-        jaxcomm.wire_bytes(topk, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+        jaxcomm.wire_bytes(topk, PARAMS, n)
+        == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B + GATHER_FLAG
     )
     glob = jaxcomm.topk(0.01, axis_name="x", scope="global")
-    assert jaxcomm.wire_bytes(glob, PARAMS, n) == 8 * k_of(0.01, 8000) + DENSE_B
+    assert jaxcomm.wire_bytes(glob, PARAMS, n) == 8 * k_of(0.01, 8000) + DENSE_B + GATHER_FLAG
     rk = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x")
+    # shared indices: a psum of f32 values (+ a 4-byte f32 flag) and the 8-byte key agreement
     assert (
         jaxcomm.wire_bytes(rk, PARAMS, n)
-        == sum(4 * k_of(0.01, v) for v in d.values()) + DENSE_B + 8
+        == sum(4 * k_of(0.01, v) for v in d.values()) + DENSE_B + 4 + 8
     )
     rkw = jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="x", shared_indices=False)
     assert (
-        jaxcomm.wire_bytes(rkw, PARAMS, n) == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B
+        jaxcomm.wire_bytes(rkw, PARAMS, n)
+        == sum(8 * k_of(0.01, v) for v in d.values()) + DENSE_B + GATHER_FLAG
     )
     th = jaxcomm.threshold(0.01, axis_name="x")
     # m slots per leaf, m the largest prime <= k: 47 of k = 50, 29 of k = 30
@@ -47,7 +54,7 @@ def test_wire_bytes_closed_forms(n):
 
     slots = sum(prime_at_most(k_of(0.01, v)) for v in d.values())
     assert slots == 47 + 29
-    assert jaxcomm.wire_bytes(th, PARAMS, n) == 8 * slots + DENSE_B
+    assert jaxcomm.wire_bytes(th, PARAMS, n) == 8 * slots + DENSE_B + GATHER_FLAG
 
 
 def test_without_axis_nothing_is_sent():
@@ -69,9 +76,12 @@ def test_without_axis_nothing_is_sent():
 def test_protocol_wire_size_equals_traced_bytes(comp):
     key = jax.random.key(0) if comp.needs_key else None
     tx = jaxcomm.compress(comp, axis_name="x", key=key, error_feedback=False)
+    # the NaN flag: none for Dense and Cast (NaN travels in the payload), else a byte
+    flag = 0 if getattr(comp, "carries_nonfinite", False) else GATHER_FLAG
     expected = (
         sum(comp.wire_size(int(x.size), x.dtype) for x in jax.tree.leaves(PARAMS) if x.size >= 1024)
         + DENSE_B
+        + flag
     )
     assert jaxcomm.wire_bytes(tx, PARAMS, 8) == expected
 
@@ -89,7 +99,7 @@ def test_compositions_are_counted():
         },
         {"w": "sparse", "e": "cast", "b": "cast"},
     )
-    assert jaxcomm.wire_bytes(part, PARAMS, 8) == 8 * 50 + 2 * 3010
+    assert jaxcomm.wire_bytes(part, PARAMS, 8) == 8 * 50 + GATHER_FLAG + 2 * 3010
     every4 = jaxcomm.accumulate(jaxcomm.allreduce(axis_name="x"), every=4)
     assert jaxcomm.wire_bytes(every4, PARAMS, 8) == 4 * 8010  # one exchange, when it happens
     # MultiSteps exchanges on every micro-step (and discards): counted the same per step
@@ -102,7 +112,7 @@ def test_traffic_bytes_closed_forms():
     assert jaxcomm.accounting.traffic_bytes(dense, 8) == pytest.approx(2 * 7 / 8 * 4 * 8010)
     topk = jaxcomm.accounting.wire_report(jaxcomm.topk(0.01, axis_name="x", min_size=0), PARAMS, 8)
     k = k_of(0.01, 5000) + k_of(0.01, 3000) + k_of(0.01, 10)
-    assert jaxcomm.accounting.traffic_bytes(topk, 8) == pytest.approx(7 * 8 * k)
+    assert jaxcomm.accounting.traffic_bytes(topk, 8) == pytest.approx(7 * (8 * k + GATHER_FLAG))
     assert jaxcomm.accounting.traffic_bytes(dense, 1) == 0
 
 

@@ -141,14 +141,18 @@ def test_nonfinite_gradient_never_enters_the_residual(bad):
     out, state = H.shard_map_update(tx, g, state)
     after = jax.tree.map(np.asarray, state.residual)
     for k in PARAMS:
-        # worker 3 kept its old residual (all leaves), the others moved on
-        np.testing.assert_array_equal(after[k][3], before[k][3])
+        # the step is void on every worker (the NaN rule): all kept their old residual
+        np.testing.assert_array_equal(after[k], before[k])
         assert np.all(np.isfinite(after[k]))
-        assert not np.array_equal(after[k][0], before[k][0])
-    assert list(np.asarray(state.nonfinite)) == [0, 0, 0, 1, 0, 0, 0, 0]
-    # the bad value is not hidden: it reaches the output (top-k sends it)
-    assert not np.all(np.isfinite(np.asarray(out["w"])))
-    # and optax.apply_if_finite can then skip the step
+    assert list(np.asarray(state.nonfinite)) == [1] * 8
+    # the bad value is not hidden: the compressed update is NaN on every worker
+    assert np.all(np.isnan(np.asarray(out["w"])))
+    # a clean step moves every worker's residual again
+    _, state = H.shard_map_update(tx, H.per_worker_grads(PARAMS, seed=2), state)
+    for k in PARAMS:
+        for w in range(8):
+            assert not np.array_equal(np.asarray(state.residual[k])[w], before[k][w])
+    # single worker (no axis): optax.apply_if_finite can skip the step
     wrapped = optax.apply_if_finite(optax.chain(jaxcomm.topk(0.05, min_size=0), optax.sgd(1.0)), 3)
     ws = wrapped.init(PARAMS)
     upd, ws = wrapped.update({k: v[3] for k, v in g.items()}, ws, PARAMS)
@@ -165,7 +169,7 @@ def test_updates_keep_their_dtype_and_residual_is_float32_for_bf16_params():
     assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
     # the payload is still encoded in bf16: same bytes as before
     assert jaxcomm.wire_bytes(jaxcomm.topk(0.1, min_size=0, axis_name="data"), params, 8) == (
-        205 * (2 + 4)
+        205 * (2 + 4) + 1  # + the NaN rule's 1-byte flag
     )
     # state_dtype= keeps it in bf16 for users who must save the memory
     low = jaxcomm.core.compress(

@@ -272,6 +272,7 @@ def test_wire_size_formula_equals_traced_bytes(comp, expected_1000):
     key = KEY if comp.needs_key else None
     tx = jaxcomm.compress(comp, axis_name="x", key=key, error_feedback=False, min_size=0)
     expected = sum(comp.wire_size(int(x.size), x.dtype, n_workers=8) for x in params.values())
+    expected += jaxcomm.core.nan_flag_bytes(comp)  # once per step, not per leaf
     assert jaxcomm.wire_bytes(tx, params, 8) == expected
     assert comp.wire_size(1000, jnp.float32, n_workers=8) == expected_1000
 

@@ -92,6 +92,9 @@ REGISTRY.update(
             optax.sgd(0.1), delay=0, axis_name=ax, **kw
         ),
         "stale": lambda ax, **kw: jaxcomm.stale(jaxcomm.allreduce(axis_name=ax, **kw), staleness=0),
+        "skip_nonfinite": lambda ax, **kw: jaxcomm.skip_nonfinite(
+            jaxcomm.randomk(0.05, key=KEY, axis_name=ax, **kw, min_size=64)
+        ),
     }
 )
 # Public callables that are not transforms.
@@ -229,3 +232,45 @@ def test_a_transform_refuses_another_transforms_state():
         else:
             silent.append((a, b))
     assert not silent, silent
+
+
+def _poisoned_grads(bad: float, worker: int = 3):
+    """Normal per-worker grads; one worker's "w" holds ``bad`` at its smallest entry.
+
+    The smallest magnitude is where a selection by magnitude (top-k,
+    threshold, DGC) would not look, and a random selection misses it too.
+    """
+    g = H.per_worker_grads(PARAMS, seed=7)
+    w = np.asarray(g["w"]).copy()
+    j = np.unravel_index(np.argmin(np.abs(w[worker])), w[worker].shape)
+    w[(worker, *j)] = bad
+    return {**g, "w": jnp.asarray(w)}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_one_workers_nan_makes_every_workers_update_nonfinite(name):
+    """The NaN rule: any worker's non-finite gradient -> a non-finite update on every worker.
+
+    So a skip decided from the update (``jaxcomm.skip_nonfinite``,
+    ``optax.apply_if_finite`` after the exchange) is the same everywhere; and
+    the state, finite before, stays finite: the next clean step is finite.
+    """
+    tx = REGISTRY[name]("data")
+    state = H.stack(tx.init(PARAMS))
+    step = jax.pmap(tx.update, axis_name=H.AXIS)
+    for bad in (np.nan, -np.inf):
+        out, new_state = step(_poisoned_grads(bad), state)
+        if name == "skip_nonfinite":  # the step is skipped on every worker instead
+            for k in PARAMS:
+                np.testing.assert_array_equal(np.asarray(out[k]), 0.0)
+            continue
+        for w in range(H.N):
+            assert not all(
+                np.all(np.isfinite(np.asarray(out[k][w], np.float32))) for k in PARAMS
+            ), (name, bad, w)
+        for leaf in jax.tree.leaves(new_state):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                assert np.all(np.isfinite(np.asarray(leaf, np.float32))), (name, bad)
+        out, _ = step(H.per_worker_grads(PARAMS, seed=8), new_state)
+        for k in PARAMS:
+            assert np.all(np.isfinite(np.asarray(out[k], np.float32))), (name, bad, k)

@@ -17,6 +17,7 @@ class Dense(core.CompressorBase):
     """Identity payload, summed with an all-reduce."""
 
     kind = "psum"
+    carries_nonfinite = True  # a NaN/Inf entry is summed into every worker's mean
 
     def encode(self, p, key):
         return (p,), None
@@ -64,6 +65,8 @@ class Cast(core.CompressorBase):
     dtype. ``accumulate="all_gather"`` bit-casts the payload to ``uint16``,
     all-gathers it and sums the n payloads in float32.
     """
+
+    carries_nonfinite = True  # NaN/Inf survive the cast and the sum: no NaN flag needed
 
     def __init__(self, dtype: Any, accumulate: str = "psum", axis_name: AxisName | None = None):
         self.dtype = jnp.dtype(dtype)
