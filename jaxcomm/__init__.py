@@ -10,7 +10,14 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
-from jaxcomm.sync import accumulate, delayed_averaging, diloco, local_sgd, stale
+from jaxcomm.sync import (
+    accumulate,
+    delayed_averaging,
+    diloco,
+    local_sgd,
+    skip_nonfinite,
+    stale,
+)
 
 __version__ = "0.1.0"
 
@@ -40,6 +47,7 @@ __all__ = [
     "randomk",
     "ring_allreduce",
     "sign_majority",
+    "skip_nonfinite",
     "stale",
     "sync",
     "terngrad",
