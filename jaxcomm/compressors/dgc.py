@@ -55,10 +55,12 @@ class DGCState(NamedTuple):
     Attributes:
       count: int32 ``[]``, updates made (saturates at the int32 maximum); it
         drives the warm-up schedule.
-      momentum: u, the local momentum (velocity) buffer; the params' tree,
-        shapes and dtypes. ``None`` with ``momentum_correction=False``.
+      momentum: u, the local momentum (velocity) buffer; the params' tree
+        and shapes, float32 for bf16/fp16 params (``state_dtype``). ``None``
+        with ``momentum_correction=False``.
       velocity: v, the accumulated velocity not yet sent (DGC's error
-        feedback); the params' tree, shapes and dtypes (zero on dense leaves).
+        feedback); the params' tree and shapes, float32 for bf16/fp16 params
+        (zero on dense leaves).
       nonfinite: int32 ``[]``, steps in which this worker's gradient held NaN
         or Inf; on those steps u and v were left unchanged.
     """
@@ -185,7 +187,12 @@ def _pack(sel: jax.Array) -> jax.Array:
 
 
 def _first_set(words: jax.Array, cap: int, d: int) -> jax.Array:
-    """int32 ``(cap,)``: positions of the first ``cap`` set bits of ``words``, padded with d.
+    """int32 ``(cap,)``: positions of the first ``cap`` set bits of ``words``, padded with d."""
+    return _nth_set(words, jnp.arange(cap, dtype=jnp.int32), d)
+
+
+def _nth_set(words: jax.Array, ranks: jax.Array, d: int) -> jax.Array:
+    """int32: position of the ``ranks[j]``-th set bit (0-based) of ``words``; d past the last.
 
     A prefix sum over the words' popcounts (d/32 entries, not d), a binary
     search per slot for its word, and the rank-th set bit inside the word:
@@ -194,7 +201,7 @@ def _first_set(words: jax.Array, cap: int, d: int) -> jax.Array:
     m = words.shape[0]
     pc = lax.population_count(words).astype(jnp.int32)
     csum = jnp.cumsum(pc)
-    j = jnp.arange(1, cap + 1, dtype=jnp.int32)
+    j = ranks.astype(jnp.int32) + 1
     w = jnp.searchsorted(csum, j, side="left").astype(jnp.int32)  # word holding the j-th bit
     wc = jnp.minimum(w, m - 1)
     rank = j - 1 - (csum[wc] - pc[wc])  # set bits to skip inside the word
@@ -224,8 +231,36 @@ def _plan(density: float, d: int, sample_ratio: float) -> _Plan:
     return _Plan(cap, stride, n_samples, core.num_kept(density, n_samples))
 
 
-def _select(v: jax.Array, plan: _Plan, offset: jax.Array) -> jax.Array:
-    """Indices (int32 ``(cap,)``, padded with d) of the first ``cap`` entries with |v| >= thr.
+def _rotation(step: jax.Array, total: jax.Array) -> jax.Array:
+    """A start rank in ``[0, total)`` that moves with the step (Knuth's multiplicative hash)."""
+    h = (step.astype(jnp.uint32) + jnp.uint32(1)) * jnp.uint32(2654435761)
+    return (h % jnp.maximum(total, 1).astype(jnp.uint32)).astype(jnp.int32)
+
+
+def _keep(words: jax.Array, count: jax.Array, a: jax.Array, cap: int, step: jax.Array):
+    """Indices (int32 ``(cap,)``, padded with d) of the entries of ``words`` that are sent.
+
+    All of them when they fit. When more are selected than fit, the ``cap``
+    largest of a window of ``ceil(1.3 cap)`` of them: all of them when the
+    threshold correction succeeded (at most 1.3 cap selected), else a window
+    of consecutive selected entries starting at a rank that rotates with the
+    step, so no position is favoured (keeping the first by position biased
+    updates toward early parameters; with ties it was the same ones for ever).
+    """
+    d = a.shape[0]
+    window = min(d, max(cap, math.ceil(UPPER * cap)))
+    j = jnp.arange(window, dtype=jnp.int32)
+    start = jnp.where(count > window, _rotation(step, count), 0)
+    ranks = (start + j) % jnp.maximum(count, 1)
+    idx = jnp.where(j < count, _nth_set(words, ranks, d), d)
+    if window == cap:
+        return idx
+    mags = jnp.where(idx < d, a[jnp.minimum(idx, d - 1)], -1.0)  # NaN ranks first in top_k
+    return idx[lax.top_k(mags, cap)[1]]
+
+
+def _select(v: jax.Array, plan: _Plan, offset: jax.Array, step: jax.Array) -> jax.Array:
+    """Indices (int32 ``(cap,)``, padded with d) of up to ``cap`` entries with |v| >= thr.
 
     thr is the ``k_samples``-th largest of ``n_samples`` magnitudes taken at
     ``stride`` from ``offset`` (the official code's strided sample with its
@@ -236,7 +271,11 @@ def _select(v: jax.Array, plan: _Plan, offset: jax.Array) -> jax.Array:
     bisected between them. (The official code, on too many, re-selects the
     exact top-cap of the selected entries with a sort, and scales by 1.3
     only without that "resample"; pure scaling can oscillate across the
-    window, bisection cannot.) Exact zeros are never selected; NaN always is.
+    window, bisection cannot.) If the correction ends with too few selected
+    but has seen a threshold selecting too many (ties: all magnitudes equal,
+    or a few distinct values as in bf16 buffers, jump from too many to none),
+    that threshold is used. Which of the selected are sent: :func:`_keep`.
+    Exact zeros are never selected; NaN always is.
     """
     d = v.shape[0]
     a = jnp.abs(v).astype(jnp.float32)
@@ -273,8 +312,12 @@ def _select(v: jax.Array, plan: _Plan, offset: jax.Array) -> jax.Array:
 
         zero = (count * 0).astype(jnp.float32)  # typed like the per-worker values
         init = (thr, zero, zero + jnp.inf, count, jnp.int32(0), words)
-        words = lax.while_loop(cond, body, init)[5]
-    return _first_set(words, plan.cap, d)
+        _, below, _, count, _, words = lax.while_loop(cond, body, init)
+        # too few, after seeing too many (ties): go back to the too-many threshold
+        words, count = lax.cond(
+            (count < lo) & (below > 0), lambda: pack(below), lambda: (words, count)
+        )
+    return _keep(words, count, a, plan.cap, step)
 
 
 # --- the transform ------------------------------------------------------------------
@@ -295,6 +338,7 @@ def dgc(
     sample_ratio: float = 0.01,
     min_size: int = 1024,
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression: momentum-corrected, masked, clipped, warmed-up top-k.
 
@@ -358,6 +402,10 @@ def dgc(
         all-gather each), the dense leaves in all-reduce buckets of one dtype,
         filled from the last leaf to the first. Default 25 MiB (DDP's);
         ``None`` or 0: one collective per array. Bit-identical results.
+      state_dtype: dtype of u and v (:func:`jaxcomm.core.resolve_state_dtype`):
+        ``None`` keeps them in float32 for bf16/fp16 params (in bf16,
+        ``v + g`` rounds small gradients away beside large entries), the
+        param dtype otherwise. The payload is sent in the grads' dtype.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DGCState` (u and v in
@@ -386,6 +434,7 @@ def dgc(
     m = _check_momentum(momentum)
     clip = _check_clip(clip_norm)
     sample_ratio = core.check_ratio(sample_ratio, "sample_ratio")
+    state_dtype = core.check_state_dtype(state_dtype)
     min_size = core.check_int(min_size, "min_size", 0)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     if not momentum_correction and m != 0.0:
@@ -401,7 +450,12 @@ def dgc(
 
     def init_fn(params):
         core._check_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        zeros = lambda: jax.tree.map(  # noqa: E731
+            lambda p: jnp.zeros(
+                jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
+            ),
+            params,
+        )
         return DGCState(
             count=jnp.zeros((), jnp.int32),
             momentum=zeros() if momentum_correction else None,
@@ -463,7 +517,7 @@ def dgc(
                     d = v.shape[0]
                     plan = _plan(density, d, sample_ratio)
                     offset = state.count % plan.stride
-                    idx = _select(v, plan, offset)
+                    idx = _select(v, plan, offset, state.count)
                     vals = jnp.where(idx < d, v[jnp.minimum(idx, d - 1)], 0)
                     vals = jnp.where(finite, vals, jnp.nan).astype(g.dtype)
                     sent.append((vals, idx))
