@@ -44,9 +44,9 @@ class PowerSGDState(NamedTuple):
       q: with ``warm_start``, a tuple with one float32 ``(b, r)`` array per
         compressed leaf (tree-flatten order): the worker mean of last step's
         Q, identical on all workers. ``None`` without warm start.
-      residual: error-feedback memory ``M - P̂ Q_wᵀ``, same tree, shapes and
-        dtypes as the params (one extra model copy; zero on dense leaves);
-        ``None`` without error feedback.
+      residual: error-feedback memory ``M - P̂ Q_wᵀ``, same tree and shapes
+        as the params (one extra model copy; zero on dense leaves), float32
+        for bf16/fp16 params (``state_dtype``); ``None`` without error feedback.
       nonfinite: int32 ``[]``, steps in which some worker's gradient held NaN
         or Inf; on those steps ``q`` and ``residual`` were left unchanged.
     """
@@ -197,6 +197,7 @@ def powersgd(
     batch_same_shape: bool = False,
     matrix_view: str = "last",
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
 
@@ -267,6 +268,10 @@ def powersgd(
         of at most this many bytes, one all-reduce each, filled from the last
         leaf to the first; then all Q's likewise. Default 25 MiB (DDP's);
         ``None`` or 0: one all-reduce per matrix. Bit-identical results.
+      state_dtype: dtype of the residual (:func:`jaxcomm.core.resolve_state_dtype`):
+        ``None`` keeps it in float32 for bf16/fp16 params (a bf16 residual
+        rounds ``M = g + e`` back and loses small gradients), the param dtype
+        otherwise. Q is always float32. Updates come out in the grads' dtype.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`.
@@ -300,6 +305,7 @@ def powersgd(
         raise ValueError(f"matrix_view: expected 'first' or 'last', got {matrix_view!r}")
     raw_key = core._raw_key(key)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    state_dtype = core.check_state_dtype(state_dtype)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
@@ -309,7 +315,14 @@ def powersgd(
             count=jnp.zeros((), jnp.int32),
             key=None if warm_start else raw_key,
             q=_fresh_q(raw_key, plan) if warm_start else None,
-            residual=jax.tree.map(jnp.zeros_like, params) if error_feedback else None,
+            residual=jax.tree.map(
+                lambda p: jnp.zeros(
+                    jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
+                ),
+                params,
+            )
+            if error_feedback
+            else None,
             nonfinite=jnp.zeros((), jnp.int32),
         )
 
