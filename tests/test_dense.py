@@ -54,10 +54,17 @@ def test_cast_psum_matches_low_precision_sum(dtype, np_dtype):
     out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
     q = np.asarray(g["w"]).astype(np_dtype).astype(np.float64)
     exact = q.sum(0) / 8
-    # the sum is rounded to the 16-bit dtype at most once per addition
-    eps = float(ml_dtypes.finfo(np_dtype).eps)
-    bound = 8 * eps * np.abs(q).sum(0) / 8 + 1e-7
-    assert np.all(np.abs(np.asarray(out["w"], np.float64) - exact) <= bound)
+    got = np.asarray(out["w"], np.float64)
+    if jax.default_backend() == "cpu" and dtype == jnp.bfloat16:
+        # XLA:CPU promotes the bf16 all-reduce: a float32 sum, rounded to bf16 once (a
+        # bound of one rounding per addition would hold for any such result)
+        once = q.astype(np.float32).sum(0).astype(np_dtype).astype(np.float64) / 8
+        np.testing.assert_array_equal(got, once)
+    else:
+        # the sum is rounded to the 16-bit dtype at most once per addition
+        eps = float(ml_dtypes.finfo(np_dtype).eps)
+        bound = 8 * eps * np.abs(q).sum(0) / 8 + 1e-7
+        assert np.all(np.abs(got - exact) <= bound)
     # and differs from the fp32 mean by the cast error
     assert np.abs(np.asarray(out["w"]) - np.asarray(g["w"]).mean(0)).max() > 0
 

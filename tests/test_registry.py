@@ -81,22 +81,37 @@ REGISTRY = {
         1, key=KEY, axis_name=ax, **kw, warm_start=False, error_feedback=False
     ),
 }
-# sync wrappers around an inner optimizer (trivial settings: they must still pass every test)
+# sync wrappers around an inner optimizer; STEPS: steps until the first exchange's result
+# comes out (the tests that look at an update run that many steps)
 REGISTRY.update(
     {
         "accumulate": lambda ax, **kw: jaxcomm.accumulate(
             optax.chain(jaxcomm.topk(0.05, axis_name=ax, **kw, min_size=64), optax.sgd(0.1)),
-            every=1,
+            every=2,
         ),
+        # delay >= 1 returns per-worker updates until the mean arrives (out_specs=P() cannot
+        # hold them): delay=0 here, delays tested in tests/test_sync.py
         "delayed_averaging": lambda ax, **kw: jaxcomm.delayed_averaging(
             optax.sgd(0.1), delay=0, axis_name=ax, **kw
         ),
-        "stale": lambda ax, **kw: jaxcomm.stale(jaxcomm.allreduce(axis_name=ax, **kw), staleness=0),
+        "stale": lambda ax, **kw: jaxcomm.stale(
+            jaxcomm.topk(0.05, axis_name=ax, **kw, min_size=64), staleness=1
+        ),
         "skip_nonfinite": lambda ax, **kw: jaxcomm.skip_nonfinite(
             jaxcomm.randomk(0.05, key=KEY, axis_name=ax, **kw, min_size=64)
         ),
     }
 )
+STEPS = {"accumulate": 2, "stale": 2}
+
+
+def steps(name, update, g, state):
+    """``update(g, state)`` ``STEPS[name]`` times (default 1): the last (updates, state)."""
+    for _ in range(STEPS.get(name, 1)):
+        out, state = update(g, state)
+    return out, state
+
+
 # Public callables that are not transforms.
 NOT_TRANSFORMS = {"compress", "wire_bytes", "ring_allreduce"}
 # Transforms whose properties need a setting this file's tests cannot give, and where
@@ -152,9 +167,10 @@ def test_shard_map_equals_pmap_equals_vmap(name):
     tx = REGISTRY[name]("data")
     g = H.per_worker_grads(PARAMS, seed=2)
     state = H.stack(tx.init(PARAMS))
-    out_sm, st_sm = H.shard_map_update(tx, g, state)
-    out_pm, st_pm = H.pmap_update(tx, g, state)
-    out_vm, st_vm = H.vmap_update(tx, g, state)
+    out_sm, st_sm = steps(name, lambda g, s: H.shard_map_update(tx, g, s), g, state)
+    out_pm, st_pm = steps(name, lambda g, s: H.pmap_update(tx, g, s), g, state)
+    out_vm, st_vm = steps(name, lambda g, s: H.vmap_update(tx, g, s), g, state)
+    assert any(np.any(np.asarray(out_sm[k]) != 0) for k in PARAMS)
     for k in PARAMS:
         for w in (0, 5):  # every worker gets the same mean
             np.testing.assert_allclose(out_pm[k][w], out_sm[k], rtol=1e-6, atol=1e-7)
@@ -210,9 +226,9 @@ def test_chain_with_sgd_runs_under_shard_map_with_replicated_params(name):
     )
     rep, sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     g = H.per_worker_grads(PARAMS, seed=4)
-    new_params, _ = fn(
-        jax.device_put(PARAMS, rep), jax.device_put(opt_state, sh), jax.device_put(g, sh)
-    )
+    new_params, opt_state = jax.device_put(PARAMS, rep), jax.device_put(opt_state, sh)
+    for _ in range(STEPS.get(name, 1)):
+        new_params, opt_state = fn(new_params, opt_state, jax.device_put(g, sh))
     assert all(np.any(np.asarray(new_params[k]) != 0) for k in PARAMS)
 
 
@@ -258,8 +274,11 @@ def test_one_workers_nan_makes_every_workers_update_nonfinite(name):
     tx = REGISTRY[name]("data")
     state = H.stack(tx.init(PARAMS))
     step = jax.pmap(tx.update, axis_name=H.AXIS)
+    clean = H.per_worker_grads(PARAMS, seed=9)
     for bad in (np.nan, -np.inf):
         out, new_state = step(_poisoned_grads(bad), state)
+        for _ in range(STEPS.get(name, 1) - 1):  # clean steps until the bad one comes out
+            out, new_state = step(clean, new_state)
         if name == "skip_nonfinite":  # the step is skipped on every worker instead
             for k in PARAMS:
                 np.testing.assert_array_equal(np.asarray(out[k]), 0.0)
