@@ -44,6 +44,7 @@ from jaxcomm.exchange import AxisName
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "all_gather",
+    "all_to_all",
     "check_bucket_bytes",
     "pack",
     "plan",
@@ -271,6 +272,42 @@ def _from_bytes(b: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
     else:
         x = lax.bitcast_convert_type(b.reshape(n, -1, dtype.itemsize), dtype)
     return x.reshape((n,) + tuple(shape))
+
+
+def all_to_all(
+    arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
+) -> list[jax.Array]:
+    """Row exchange (:func:`jaxcomm.exchange.all_to_all`) of ``(n, ...)`` arrays, bucketed.
+
+    Each array's rows are bit-cast to bytes, a bucket lays them out as
+    ``(n, total bytes)`` (row j: every array's row j), one all-to-all moves
+    the bucket, and the rows are cut back and bit-cast to their dtypes.
+    """
+    arrays = [jnp.asarray(x) for x in arrays]
+    n = exchange.axis_size(axis_name)
+    out: list[jax.Array | None] = [None] * len(arrays)
+    sizes = [_nbytes(x) // n for x in arrays]  # bytes per row
+    prev = None
+    for bucket in plan([s * n for s in sizes], [None] * len(arrays), bucket_bytes):
+        if not bucket_bytes:
+            out[bucket[0]] = exchange.all_to_all(arrays[bucket[0]], axis_name)
+            continue
+        rows = [_rows_to_bytes(arrays[i], n) for i in bucket]
+        moved = prev = exchange.all_to_all(pack(rows, axis_name, prev), axis_name)
+        offset = 0
+        for i in bucket:
+            piece = moved[:, offset : offset + sizes[i]]
+            out[i] = _from_bytes(piece, arrays[i].dtype, arrays[i].shape[1:])
+            offset += sizes[i]
+    return out
+
+
+def _rows_to_bytes(x: jax.Array, n: int) -> jax.Array:
+    """``(n, ...)`` -> ``(n, bytes per row)`` uint8."""
+    flat = x.reshape(n, -1)
+    if flat.dtype == jnp.bool_:
+        return flat.astype(jnp.uint8)
+    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(n, -1)
 
 
 def all_gather(

@@ -25,6 +25,8 @@ import optax
 
 from jaxcomm import buckets, exchange
 
+_xc = exchange  # the module, where compress's ``exchange=`` option shadows its name
+
 Payload = tuple[jax.Array, ...]
 
 
@@ -115,12 +117,17 @@ class CompressState(NamedTuple):
       nonfinite: int32 ``[]``, number of steps in which some worker's gradient
         (``g + e``) held NaN or Inf; on those steps the residual was left
         unchanged and the update was NaN on every worker.
+      server: with ``exchange="two_phase"``/``"auto"`` and error feedback, the
+        two-phase exchange's server residual (the params' tree and shapes, in
+        the residual's dtype; each worker uses the chunk it averages: see
+        :func:`jaxcomm.exchange.two_phase`); ``None`` otherwise.
     """
 
     count: jax.Array
     key: jax.Array | None
     residual: Any
     nonfinite: jax.Array
+    server: Any = None
 
 
 def check_ratio(ratio: Any, name: str = "ratio") -> float:
@@ -368,6 +375,7 @@ def compress(
     scope: str = "leaf",
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """The generic compressed exchange: EF memory, encode, exchange, decode.
 
@@ -402,6 +410,15 @@ def compress(
         is formed in float32, rounded to the gradient's dtype only to be
         encoded, and the residual keeps what was not sent, rounding
         included. Pass ``jnp.bfloat16`` to save the memory.
+      exchange: how all-gathered payloads (``kind="all_gather"``) travel.
+        ``"gather"``: every worker receives every payload, ``(n-1)·s`` bytes,
+        and decodes n of them. ``"two_phase"``: compressed chunks are
+        reduce-scattered with an all-to-all, each chunk averaged once,
+        re-compressed with a server residual (error feedback on both sides)
+        and all-gathered, ``2(n-1)/n·s`` per worker
+        (:func:`jaxcomm.exchange.two_phase`; with error feedback the state
+        holds a second residual, ``state.server``). ``"auto"``: two-phase
+        where it moves fewer bytes, i.e. on more than 2 workers.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -423,7 +440,7 @@ def compress(
 
     Integer or bool leaves raise ``TypeError``: filter them out first.
     """
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = _xc.check_axis_name(axis_name)
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}"
@@ -438,6 +455,9 @@ def compress(
         )
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = check_state_dtype(state_dtype)
+    mode = _xc.check_exchange(exchange, compressor.kind)
+    if mode != "gather" and getattr(compressor, "agrees", False):
+        raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
     raw_key = _raw_key(key) if compressor.needs_key else None
     state_cls = state_class(compressor)
 
@@ -459,6 +479,7 @@ def compress(
             key=raw_key,
             residual=residual,
             nonfinite=jnp.zeros((), jnp.int32),
+            server=residual if mode != "gather" else None,
         )
 
     def update_fn(updates, state, params=None):
@@ -472,7 +493,7 @@ def compress(
         )
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         _check_leaves(with_path, "updates")
-        exchange.check_per_worker(updates, axis_name)
+        _xc.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
 
@@ -481,9 +502,9 @@ def compress(
             new_key, step_key = jax.random.split(state.key)
             if axis_name is not None:
                 if compressor.per_worker_key:
-                    step_key = jax.random.fold_in(step_key, exchange.axis_index(axis_name))
+                    step_key = jax.random.fold_in(step_key, _xc.axis_index(axis_name))
                 else:  # one 8-byte all-reduce: identical (and invariant-typed) everywhere
-                    step_key = exchange.agree(step_key, axis_name)
+                    step_key = _xc.agree(step_key, axis_name)
 
         compressible = [i for i, g in enumerate(grads) if g.size >= max(min_size, 1)]
         dense = set(range(len(grads))) - set(compressible)
@@ -520,6 +541,17 @@ def compress(
                 vec = jnp.concatenate([ps[i].astype(dtype) for i in group])
             vecs.append(vec)
             keys.append(None if step_key is None else jax.random.fold_in(step_key, gi))
+        two = axis_name is not None and _xc.use_two_phase(mode, _xc.axis_size(axis_name))
+        if two:
+            ok = (
+                jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
+                if vecs
+                else jnp.ones((), jnp.bool_)
+            )
+            return _two_phase_update(
+                compressor, state, state_cls, treedef, grads, groups, vecs, keys, ps, ps_state,
+                residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
+            )  # fmt: skip
         encoded = _encode_all(compressor, vecs, keys, axis_name, bucket_bytes)
         # This worker's g + e all finite? (top-k and threshold look only at what
         # they selected, which includes any NaN/Inf.) Agreed over the axis below.
@@ -547,7 +579,7 @@ def compress(
             ]
             n = 1
         else:
-            n = exchange.axis_size(axis_name)
+            n = _xc.axis_size(axis_name)
             first = {group[0]: gi for gi, group in enumerate(groups)}
             summed, gathered = [], []  # (leaf or group id, array)
             for i in range(len(grads)):
@@ -611,7 +643,56 @@ def compress(
             key=new_key,
             residual=treedef.unflatten(new_res) if error_feedback else None,
             nonfinite=nonfinite,
+            server=state.server,  # "auto" on 2 workers: kept for a larger axis
         )
         return treedef.unflatten(outputs), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _two_phase_update(
+    compressor, state, state_cls, treedef, grads, groups, vecs, keys, ps, ps_state,
+    residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
+):  # fmt: skip
+    """The rest of :func:`compress`'s update with ``exchange.two_phase`` for the payloads."""
+    n = _xc.axis_size(axis_name)
+    outputs: list[jax.Array | None] = [None] * len(grads)
+    dense_ids = sorted(dense)
+    sums = buckets.psum([grads[i] for i in dense_ids], axis_name, bucket_bytes)
+    for i, x in zip(dense_ids, sums):
+        outputs[i] = x / jnp.asarray(n, x.dtype)
+
+    def group_state(tree_leaves, group):
+        if tree_leaves is None:
+            return None
+        parts = [tree_leaves[i].reshape(-1) for i in group]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    server_leaves = treedef.flatten_up_to(state.server) if error_feedback else None
+    servers = [group_state(server_leaves, g) for g in groups]
+    means, own, new_servers, ok = _xc.two_phase(
+        compressor, vecs, keys, servers, ok, axis_name, bucket_bytes
+    )
+    new_res = list(residuals) if error_feedback else None
+    new_srv = list(server_leaves) if error_feedback else None
+    for gi, group in enumerate(groups):
+        mean = means[gi]
+        if not getattr(compressor, "carries_nonfinite", False):
+            mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
+        for i, sl in _slices(group, ps):
+            outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
+        if error_feedback:
+            dtype = jnp.result_type(*[residuals[i].dtype for i in group])
+            vec = group_state({i: ps_state.get(i, ps[i]) for i in group}, group).astype(dtype)
+            res = vec - own[gi].astype(dtype)
+            for i, sl in _slices(group, ps):
+                r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
+                new_res[i] = jnp.where(ok, r, residuals[i])
+                new_srv[i] = new_servers[gi][sl].reshape(residuals[i].shape)
+    return treedef.unflatten(outputs), state_cls(
+        count=optax.safe_int32_increment(state.count),
+        key=new_key,
+        residual=treedef.unflatten(new_res) if error_feedback else None,
+        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        server=treedef.unflatten(new_srv) if error_feedback else None,
+    )

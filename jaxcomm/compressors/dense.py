@@ -113,6 +113,7 @@ def cast(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
@@ -134,6 +135,10 @@ def cast(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
 
@@ -176,6 +181,7 @@ def cast(
         min_size=min_size,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 

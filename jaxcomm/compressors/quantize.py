@@ -22,7 +22,7 @@ from jax import lax
 from jaxcomm import core, exchange
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.compressors import packing
-from jaxcomm.exchange import AxisName
+from jaxcomm.exchange import AxisName, check_axis_name
 
 UNROLL = 16  # workers decoded in one fused pass; more go through a scan
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
@@ -142,6 +142,7 @@ def int8(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """Int8 quantisation with one max-abs scale per bucket (1 byte per entry).
 
@@ -171,6 +172,10 @@ def int8(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -194,6 +199,7 @@ def int8(
         key=key,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 
@@ -254,6 +260,7 @@ def qsgd(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """QSGD: unbiased stochastic quantisation to ``levels`` levels per bucket.
 
@@ -283,6 +290,10 @@ def qsgd(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -305,6 +316,7 @@ def qsgd(
         key=key,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 
@@ -416,6 +428,7 @@ def terngrad(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """TernGrad: unbiased ternary gradients ``s·sign(g)·b``, ``b ~ Bernoulli(|g|/s)``.
 
@@ -452,6 +465,10 @@ def terngrad(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -467,13 +484,14 @@ def terngrad(
     if clip_sigma is not None:
         clip_sigma = check_positive(clip_sigma, "clip_sigma")
     return core.compress(
-        TernGrad(clip_sigma, bool(share_scale), exchange.check_axis_name(axis_name)),
+        TernGrad(clip_sigma, bool(share_scale), check_axis_name(axis_name)),
         axis_name=axis_name,
         error_feedback=error_feedback,
         min_size=min_size,
         key=key,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 

@@ -93,6 +93,7 @@ def onebit(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """1-bit SGD: signs with two reconstruction values, error feedback on.
 
@@ -121,6 +122,10 @@ def onebit(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -140,6 +145,7 @@ def onebit(
         min_size=min_size,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 
@@ -175,6 +181,7 @@ def ef_sign(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """EF-SignSGD: the scaled sign ``(‖p‖₁/d)·sign(p)`` with error feedback.
 
@@ -198,6 +205,10 @@ def ef_sign(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -215,6 +226,7 @@ def ef_sign(
         min_size=min_size,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 
@@ -360,6 +372,7 @@ def twobit(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
+    exchange: str = "gather",
 ) -> optax.GradientTransformation:
     """MXNet's 2-bit gradient compression with a residual.
 
@@ -383,6 +396,10 @@ def twobit(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
+      exchange: ``"gather"`` (default; every worker receives every payload),
+        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
+        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
+        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -402,6 +419,7 @@ def twobit(
         min_size=min_size,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
+        exchange=exchange,
     )
 
 

@@ -1,0 +1,193 @@
+"""The two-phase compressed all-reduce (jaxcomm.exchange.two_phase), on 8 workers.
+
+Against a NumPy reference of the algorithm: chunk, quantise each chunk,
+worker j averages every worker's chunk j, adds its server residual,
+re-quantises, and everyone decodes the gathered chunk means; error feedback
+on both sides. Odd sizes and a leaf smaller than the number of workers.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomm
+from tests import helpers as H
+
+N = H.N
+BUCKET = 16
+# "w": 1073 entries (chunks of 135, the last padded); "t": 5 < 8 workers; "b": dense
+PARAMS = {"w": jnp.zeros((37, 29)), "t": jnp.zeros((5,)), "b": jnp.zeros((3,))}
+MIN_SIZE = 4
+
+
+def np_int8(x):
+    """Round-to-nearest int8 with one max-abs scale per BUCKET entries: x's decoded value."""
+    nb = math.ceil(x.size / BUCKET)
+    b = np.pad(x.astype(np.float32), (0, nb * BUCKET - x.size)).reshape(nb, BUCKET)
+    scale = np.abs(b).max(1) / np.float32(127)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.round(b / safe[:, None]), -127, 127)
+    return (q * scale[:, None]).reshape(-1)[: x.size].astype(np.float32)
+
+
+def np_two_phase(grads_seq, names):
+    """Per step: the mean every worker gets; final worker and server residuals."""
+    res = {k: np.zeros((N, PARAMS[k].size), np.float32) for k in names}
+    srv = {k: np.zeros((N, PARAMS[k].size), np.float32) for k in names}
+    outs = []
+    for g in grads_seq:
+        out = {}
+        for k in names:
+            d = PARAMS[k].size
+            c = -(-d // N)
+            p = np.asarray(g[k], np.float32).reshape(N, d) + res[k]
+            pad = np.pad(p, ((0, 0), (0, N * c - d))).reshape(N, N, c)  # worker, chunk, c
+            sent = np.stack([[np_int8(pad[w, j]) for j in range(N)] for w in range(N)])
+            res[k] = p - sent.reshape(N, N * c)[:, :d]
+            means = []
+            for j in range(N):  # worker j averages chunk j, adds its server residual
+                s_pad = np.pad(srv[k][j], (0, N * c - d))
+                s = sent[:, j].sum(0) / np.float32(N) + s_pad[j * c : (j + 1) * c]
+                m = np_int8(s)
+                s_pad[j * c : (j + 1) * c] = s - m
+                srv[k][j] = s_pad[:d]
+                means.append(m)
+            out[k] = np.concatenate(means)[:d]
+        out["b"] = np.asarray(g["b"], np.float32).mean(0)
+        outs.append(out)
+    return outs, res, srv
+
+
+def assert_close_to_a_quantum(got, want):
+    """Equal up to float rounding, except where summation order moved a rounding tie: at
+    most 0.5% of the entries, by at most one int8 quantum (max|x|/127 <= 0.04 here)."""
+    diff = np.abs(np.asarray(got, np.float64).ravel() - np.asarray(want, np.float64).ravel())
+    assert np.mean(diff > 1e-5) <= 0.005, np.sum(diff > 1e-5)
+    assert diff.max() < 0.04, diff.max()
+
+
+def tx_int8(mode="two_phase", **kw):
+    return jaxcomm.int8(
+        stochastic=False,
+        bucket_size=BUCKET,
+        axis_name=H.AXIS,
+        error_feedback=True,
+        min_size=MIN_SIZE,
+        exchange=mode,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1 << 20], ids=["per_array", "bucketed"])
+def test_int8_two_phase_matches_numpy_over_steps(bucket_bytes):
+    tx = tx_int8(bucket_bytes=bucket_bytes)
+    grads_seq = [H.per_worker_grads(PARAMS, seed=s) for s in range(3)]
+    ref, res, srv = np_two_phase(grads_seq, ["w", "t"])
+    fn, sh = H.sharded(tx)
+    state = jax.device_put(H.stack(tx.init(PARAMS)), sh)
+    for g, want in zip(grads_seq, ref):
+        out, state = fn(jax.device_put(g, sh), state)
+        for k in PARAMS:
+            assert_close_to_a_quantum(out[k], want[k])
+    for k in ("w", "t"):
+        assert_close_to_a_quantum(state.residual[k], res[k])
+        assert_close_to_a_quantum(state.server[k], srv[k])
+    assert np.abs(srv["w"]).max() > 1e-4  # the server residual is used
+
+
+def test_bytes_are_the_ring_bound_at_the_compressed_size_and_match_hlo():
+    tx, gather = tx_int8(), tx_int8("gather")
+    c = -(-1073 // N)
+    chunk = c + 4 * math.ceil(c / BUCKET)  # int8 codes + one f32 scale per bucket
+    tiny = 1 + 4  # "t": chunks of 1 entry
+    # all-to-all operand: n chunks; all-gather operand: one chunk (+ the 1-byte NaN flag)
+    want = N * (chunk + tiny) + (chunk + tiny + 1) + 3 * 4
+    assert jaxcomm.wire_bytes(tx, PARAMS, N) == want
+    g = H.per_worker_grads(PARAMS, seed=1)
+    hlo = jaxcomm.accounting.hlo_collectives(
+        H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS)))
+    )
+    assert sum(c.nbytes for c in hlo) == want
+    assert {c.kind for c in hlo} == {"all_to_all", "all_gather", "all_reduce"}
+    # traffic per worker: 2(n-1)/n of a payload against (n-1) payloads received
+    report = jaxcomm.accounting.wire_report(tx, PARAMS, N)
+    two = jaxcomm.accounting.traffic_bytes(report, N)
+    one = jaxcomm.accounting.traffic_bytes(jaxcomm.accounting.wire_report(gather, PARAMS, N), N)
+    assert two < 0.3 * one
+
+
+def test_auto_gathers_on_two_workers_and_goes_two_phase_on_more():
+    tx = tx_int8("auto")
+    kinds = lambda n: {c.kind for c in jaxcomm.accounting.wire_report(tx, PARAMS, n)}  # noqa: E731
+    assert "all_to_all" not in kinds(2)
+    assert "all_to_all" in kinds(4) and "all_to_all" in kinds(8)
+
+
+def test_nan_on_one_worker_reaches_every_worker_and_state_stays():
+    tx = jaxcomm.twobit(0.5, axis_name=H.AXIS, min_size=MIN_SIZE, exchange="two_phase")
+    state = H.stack(tx.init(PARAMS))
+    g = H.per_worker_grads(PARAMS, seed=2)
+    w = np.asarray(g["w"]).copy()
+    w[3, 0, 0] = np.nan
+    out, new = jax.pmap(tx.update, axis_name=H.AXIS)({**g, "w": jnp.asarray(w)}, state)
+    assert np.all(np.isnan(np.asarray(out["w"])))
+    for a, b in zip(jax.tree.leaves(new.residual), jax.tree.leaves(state.residual)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(new.server), jax.tree.leaves(state.server)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: jaxcomm.ef_sign(axis_name=H.AXIS, min_size=MIN_SIZE, exchange=m),
+        lambda m: jaxcomm.onebit(axis_name=H.AXIS, min_size=MIN_SIZE, exchange=m),
+        lambda m: jaxcomm.qsgd(
+            16,
+            key=jax.random.key(0),
+            axis_name=H.AXIS,
+            min_size=MIN_SIZE,
+            exchange=m,
+            error_feedback=True,
+        ),
+        lambda m: jaxcomm.cast(
+            jnp.bfloat16,
+            axis_name=H.AXIS,
+            accumulate="all_gather",
+            min_size=MIN_SIZE,
+            exchange=m,
+            error_feedback=True,
+        ),
+    ],
+    ids=["ef_sign", "onebit", "qsgd", "cast_bf16"],
+)
+def test_error_feedback_on_both_sides_telescopes(make):
+    """Σ outputs + mean worker residual + server residuals = Σ mean gradients.
+
+    Worker j's server residual holds what chunk j's *mean* did not send, so
+    Σ_t out_t + mean_w e_w + Σ_j srv_j (each on its chunk) = Σ_t mean_w g_t.
+    """
+    tx = make("two_phase")
+    params = {"w": jnp.zeros((30, 50))}
+    state = H.stack(tx.init(params))
+    fn, sh = H.sharded(tx)
+    tot_out, tot_in = np.zeros(1500), np.zeros(1500)
+    for s in range(6):
+        g = H.per_worker_grads(params, seed=40 + s)
+        out, state = fn(jax.device_put(g, sh), jax.device_put(state, sh))
+        tot_out += np.asarray(out["w"], np.float64).reshape(-1)
+        tot_in += np.asarray(g["w"], np.float64).reshape(N, -1).mean(0)
+    left = np.asarray(state.residual["w"], np.float64).reshape(N, -1).mean(0)
+    server = np.asarray(state.server["w"], np.float64).reshape(N, -1).sum(0)
+    np.testing.assert_allclose(tot_out + left + server, tot_in, atol=2e-4)
+    assert np.abs(server).max() > 1e-4  # the server side holds something back
+
+
+def test_bad_exchange_option():
+    with pytest.raises(ValueError, match="exchange: expected one of"):
+        jaxcomm.int8(stochastic=False, exchange="ring")
+    with pytest.raises(ValueError, match="exchange: 'two_phase' is for compressors"):
+        jaxcomm.cast(jnp.bfloat16, exchange="two_phase")  # psum: already one all-reduce
