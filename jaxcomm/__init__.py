@@ -1,6 +1,6 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, distributed, exchange, netsim, sync
+from jaxcomm import accounting, core, distributed, exchange, netsim, optim, sync
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -10,6 +10,7 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
+from jaxcomm.optim import onebit_adam
 from jaxcomm.sync import (
     accumulate,
     delayed_averaging,
@@ -42,6 +43,8 @@ __all__ = [
     "local_sgd",
     "netsim",
     "onebit",
+    "onebit_adam",
+    "optim",
     "powersgd",
     "qsgd",
     "randomk",

@@ -120,6 +120,8 @@ TESTED_ELSEWHERE = {
     "local_sgd": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "diloco": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "hierarchical": "tests/test_topology.py (needs a 2-D mesh)",
+    "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
+    "variance is per-worker state, so shard_map needs out_specs=P('data'))",
 }
 # vmap sums bf16 payloads in bf16; XLA:CPU's promoted all-reduce sums in f32.
 VMAP_ATOL = {"cast": 2e-2}
