@@ -63,6 +63,9 @@ REGISTRY = {
         axis_name=ax, **kw, bucket_size=20, min_size=64
     ),
     "ef_sign": lambda ax, **kw: jaxcomm.ef_sign(axis_name=ax, **kw, min_size=64),
+    "ef_sign:two_phase": lambda ax, **kw: jaxcomm.ef_sign(
+        axis_name=ax, **kw, min_size=64, exchange="two_phase"
+    ),
     "sign_majority": lambda ax, **kw: jaxcomm.sign_majority(axis_name=ax, **kw, min_size=64),
     "twobit": lambda ax, **kw: jaxcomm.twobit(0.5, axis_name=ax, **kw, min_size=64),
     "dgc": lambda ax, **kw: jaxcomm.dgc(0.05, axis_name=ax, **kw, min_size=64),
