@@ -419,6 +419,11 @@ def compress(
         (:func:`jaxcomm.exchange.two_phase`; with error feedback the state
         holds a second residual, ``state.server``). ``"auto"``: two-phase
         where it moves fewer bytes, i.e. on more than 2 workers.
+        ``"reduce_scatter"``: phase one only, for sharded (ZeRO/FSDP-style)
+        training: the update of a leaf is this worker's shard of the worker
+        mean along the leaf's first dimension (which must be a multiple of
+        n): shape ``(shape[0] // n, *shape[1:])``, worker j's rows; error
+        feedback on the sender (:func:`jaxcomm.exchange.reduce_scatter`).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -458,6 +463,8 @@ def compress(
     mode = _xc.check_exchange(exchange, compressor.kind)
     if mode != "gather" and getattr(compressor, "agrees", False):
         raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
+    if mode == "reduce_scatter" and scope != "leaf":
+        raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")
     raw_key = _raw_key(key) if compressor.needs_key else None
     state_cls = state_class(compressor)
 
@@ -479,7 +486,7 @@ def compress(
             key=raw_key,
             residual=residual,
             nonfinite=jnp.zeros((), jnp.int32),
-            server=residual if mode != "gather" else None,
+            server=residual if mode in ("two_phase", "auto") else None,
         )
 
     def update_fn(updates, state, params=None):
@@ -541,6 +548,16 @@ def compress(
                 vec = jnp.concatenate([ps[i].astype(dtype) for i in group])
             vecs.append(vec)
             keys.append(None if step_key is None else jax.random.fold_in(step_key, gi))
+        if axis_name is not None and mode == "reduce_scatter":
+            ok = (
+                jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
+                if vecs
+                else jnp.ones((), jnp.bool_)
+            )
+            return _reduce_scatter_update(
+                compressor, state, state_cls, treedef, with_path, groups, vecs, keys, ps,
+                ps_state, residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
+            )  # fmt: skip
         two = axis_name is not None and _xc.use_two_phase(mode, _xc.axis_size(axis_name))
         if two:
             ok = (
@@ -695,4 +712,44 @@ def _two_phase_update(
         residual=treedef.unflatten(new_res) if error_feedback else None,
         nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
         server=treedef.unflatten(new_srv) if error_feedback else None,
+    )
+
+
+def _reduce_scatter_update(
+    compressor, state, state_cls, treedef, with_path, groups, vecs, keys, ps, ps_state,
+    residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
+):  # fmt: skip
+    """:func:`compress`'s update with ``exchange="reduce_scatter"``: shard-shaped updates."""
+    n = _xc.axis_size(axis_name)
+    grads = [g for _, g in with_path]
+    for path, g in with_path:
+        if g.ndim == 0 or g.shape[0] % n:
+            raise ValueError(
+                f"exchange='reduce_scatter': leaf {_path_str(path)} has shape {g.shape}; its "
+                f"first dimension must be a multiple of the {n} workers (the shard axis)"
+            )
+    shard = [(g.shape[0] // n,) + g.shape[1:] for g in grads]
+    outputs: list[jax.Array | None] = [None] * len(grads)
+    dense_ids = sorted(dense)
+    sums = buckets.psum_scatter([grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes)
+    for i, x in zip(dense_ids, sums):
+        outputs[i] = (x / jnp.asarray(n, x.dtype)).reshape(shard[i])
+    chunks, own, ok = _xc.reduce_scatter(compressor, vecs, keys, ok, axis_name, bucket_bytes)
+    new_res = list(residuals) if error_feedback else None
+    for gi, group in enumerate(groups):
+        (i,) = group  # scope="leaf"
+        chunk = chunks[gi][: grads[i].size // n]
+        if not getattr(compressor, "carries_nonfinite", False):
+            chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
+        outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
+        if error_feedback:
+            dtype = residuals[i].dtype
+            res = ps_state.get(i, ps[i]).astype(dtype) - own[gi].astype(dtype)
+            new_res[i] = jnp.where(ok, res.reshape(residuals[i].shape), residuals[i])
+    return treedef.unflatten(outputs), state_cls(
+        count=optax.safe_int32_increment(state.count),
+        key=new_key,
+        residual=treedef.unflatten(new_res) if error_feedback else None,
+        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        server=state.server,
     )

@@ -501,7 +501,81 @@ def hierarchical(
 # --- two-phase compressed all-reduce -------------------------------------------------
 
 
-EXCHANGES = ("gather", "two_phase", "auto")
+def _phase_one(compressor, vecs, keys, axis_name, bucket_bytes, flag):
+    """Chunk, compress each chunk, all-to-all: worker j gets every worker's chunk j.
+
+    Returns ``(layout, keys for a second compression, own, received, flags)``:
+    per vector ``(d, c)``; what this worker's chunks decode to, ``(d,)``;
+    the n received payloads of chunk j (leading axis: sender); and, if
+    ``flag`` (bool scalar) is given, every worker's flag as a ``(n, 1)`` uint8
+    (riding in the same all-to-all), else ``None``.
+    """
+    from jaxcomm import buckets  # buckets imports this module
+
+    n = axis_size(axis_name)
+    layout, chunk_keys, phase1, own = [], [], [], []
+    for v, k in zip(vecs, keys):
+        d = v.shape[0]
+        c = -(-d // n)
+        layout.append((d, c))
+        rows = jnp.pad(v, (0, n * c - d)).reshape(n, c)
+        if k is None:
+            payload, _ = jax.vmap(lambda x: compressor.encode(x, None))(rows)
+            chunk_keys.append(None)
+        else:
+            ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(jnp.arange(n))
+            payload, _ = jax.vmap(compressor.encode)(rows, ks)
+            chunk_keys.append(jax.random.fold_in(k, n))
+        payload = tuple(payload)
+        phase1.append(payload)
+        dec = jax.vmap(
+            lambda *pl, c=c, dt=v.dtype: compressor.decode(tuple(x[None] for x in pl), None, c, dt)
+        )(*payload)
+        own.append(dec.reshape(-1)[:d])
+    flat = [x for p in phase1 for x in p]
+    if flag is not None:
+        flat.append(jnp.broadcast_to((~flag).astype(jnp.uint8), (n, 1)))
+    moved = buckets.all_to_all(flat, axis_name, bucket_bytes)
+    received, i = [], 0
+    for payload in phase1:
+        received.append(tuple(moved[i : i + len(payload)]))
+        i += len(payload)
+    return layout, chunk_keys, own, received, (moved[-1] if flag is not None else None)
+
+
+def reduce_scatter(
+    compressor: Any,
+    vecs: list[jax.Array],
+    keys: list[jax.Array | None],
+    ok: jax.Array,
+    axis_name: AxisName,
+    bucket_bytes: int | None,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
+    """Compressed reduce-scatter: this worker's chunk of the worker mean of each vector.
+
+    Phase one of :func:`two_phase` alone: every chunk compressed, one
+    all-to-all (per bucket), worker j decodes and averages chunk j. A worker
+    sends ``(n-1)/n·s``. For sharded (ZeRO/FSDP-style) training: chunk j of a
+    leaf whose first dimension is a multiple of n is worker j's shard along
+    that dimension.
+
+    Returns ``(chunks, own, ok)``: per vector the ``(c,)`` mean of chunk j
+    (``c = ceil(d/n)``, zero-padded past d); what this worker's payloads
+    decode to, ``(d,)``, for its residual; whether every worker's vectors
+    were finite (the flags ride in the all-to-all).
+    """
+    n = axis_size(axis_name)
+    layout, _, own, received, flags = _phase_one(
+        compressor, vecs, keys, axis_name, bucket_bytes, flag=ok
+    )
+    chunks = [
+        compressor.decode_mean(rec, None, c, v.dtype, n)
+        for v, (d, c), rec in zip(vecs, layout, received)
+    ]
+    return chunks, own, ~jnp.any(flags > 0)
+
+
+EXCHANGES = ("gather", "two_phase", "auto", "reduce_scatter")
 
 
 def check_exchange(value: Any, kind: str) -> str:
@@ -573,31 +647,9 @@ def two_phase(
 
     n = axis_size(axis_name)
     me = axis_index(axis_name)
-    layout, chunk_keys, phase1, own = [], [], [], []
-    for v, k in zip(vecs, keys):
-        d = v.shape[0]
-        c = -(-d // n)
-        layout.append((d, c))
-        rows = jnp.pad(v, (0, n * c - d)).reshape(n, c)
-        if k is None:
-            payload, _ = jax.vmap(lambda x: compressor.encode(x, None))(rows)
-            chunk_keys.append(None)
-        else:
-            ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(jnp.arange(n))
-            payload, _ = jax.vmap(compressor.encode)(rows, ks)
-            chunk_keys.append(jax.random.fold_in(k, n))
-        payload = tuple(payload)
-        phase1.append(payload)
-        dec = jax.vmap(
-            lambda *pl, c=c, dt=v.dtype: compressor.decode(tuple(x[None] for x in pl), None, c, dt)
-        )(*payload)
-        own.append(dec.reshape(-1)[:d])
-    moved = buckets.all_to_all([x for p in phase1 for x in p], axis_name, bucket_bytes)
-
-    received, i = [], 0
-    for payload in phase1:
-        received.append(tuple(moved[i : i + len(payload)]))
-        i += len(payload)
+    layout, chunk_keys, own, received, _ = _phase_one(
+        compressor, vecs, keys, axis_name, bucket_bytes, flag=None
+    )
     phase2, new_servers = [], []
     for v, (d, c), rec, k, srv in zip(vecs, layout, received, chunk_keys, servers):
         mean = compressor.decode_mean(rec, None, c, v.dtype, n)  # my chunk, all workers

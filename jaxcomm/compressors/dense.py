@@ -138,7 +138,9 @@ def cast(
       exchange: ``"gather"`` (default; every worker receives every payload),
         ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
         residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
-        or ``"auto"`` (two-phase on more than 2 workers); see :func:`jaxcomm.compress`.
+        ``"auto"`` (two-phase on more than 2 workers) or ``"reduce_scatter"``
+        (sharded training: the update is this worker's shard of the mean along
+        the first dimension); see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
 
