@@ -276,10 +276,11 @@ def test_local_without_axis_and_dtypes():
     params = {"w": jnp.zeros((24, 20), jnp.bfloat16), "b": jnp.zeros((20,), jnp.bfloat16)}
     tx = jaxcomm.powersgd(2, key=KEY)
     state = tx.init(params)
-    assert state.residual["w"].dtype == jnp.bfloat16 and state.q[0].dtype == jnp.float32
+    # bf16 params: a float32 residual (state_dtype=None), Q float32; updates stay bf16
+    assert state.residual["w"].dtype == jnp.float32 and state.q[0].dtype == jnp.float32
     g = jax.tree.map(lambda x: x[0], H.per_worker_grads(params, seed=0))
     out, state = jax.jit(tx.update)(g, state)
-    assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.bfloat16
+    assert out["w"].dtype == jnp.bfloat16 and state.residual["w"].dtype == jnp.float32
     assert jaxcomm.wire_bytes(tx, params, H.N) == 0
 
 
