@@ -103,7 +103,8 @@ def traffic() -> dict:
         )
     print("\nHLO bytes == wire bytes at n=8 (two-phase):")
     for name, c in checks.items():
-        print(f"  {name:>10}: {c['hlo']} vs {c['wire']} {'ok' if c['hlo'] == c['wire'] else 'DIFF'}")
+        same = "ok" if c["hlo"] == c["wire"] else "DIFF"
+        print(f"  {name:>10}: {c['hlo']} vs {c['wire']} {same}")
     del jax
     return {"params": d, "rows": rows, "hlo_check_n8": checks}
 
@@ -153,7 +154,8 @@ def accuracy() -> dict:
     split = digits.load(8)
     res = {}
     runs = {"dense": jaxcomm.allreduce(axis_name="data")}
-    runs.update({k: v for k, v in _methods("two_phase").items() if k in ("int8", "ef_sign", "onebit")})
+    two = _methods("two_phase")
+    runs.update({k: two[k] for k in ("int8", "ef_sign", "onebit")})
     for name, ex in runs.items():
         tx = optax.chain(ex, optax.sgd(0.5))
         res[name] = digits.train(tx, steps=300, model="mlp", split=split).accuracy

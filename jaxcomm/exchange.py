@@ -671,7 +671,9 @@ def two_phase(
     flat = [x for p in phase2 for x in p] + [(~ok).astype(jnp.uint8)]
     gathered = buckets.all_gather(flat, axis_name, bucket_bytes)
     ok = ~jnp.any(gathered[-1] > 0)
-    new_servers = [s if s is None else jnp.where(ok, s, old) for s, old in zip(new_servers, servers)]
+    new_servers = [
+        s if s is None else jnp.where(ok, s, old) for s, old in zip(new_servers, servers)
+    ]
     means, i = [], 0
     for v, (d, c), payload in zip(vecs, layout, phase2):
         rows = gathered[i : i + len(payload)]

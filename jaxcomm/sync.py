@@ -831,9 +831,7 @@ def skip_nonfinite(
     inner = _check_tx(inner, "inner")
     axis_name = exchange.check_axis_name(axis_name)
     if max_consecutive_errors is not None:
-        max_consecutive_errors = core.check_int(
-            max_consecutive_errors, "max_consecutive_errors", 0
-        )
+        max_consecutive_errors = core.check_int(max_consecutive_errors, "max_consecutive_errors", 0)
 
     def init_fn(params):
         return SkipNonfiniteState(
@@ -846,9 +844,7 @@ def skip_nonfinite(
     def update_fn(updates, state, params=None):
         _check_state(state, SkipNonfiniteState, "skip_nonfinite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
-        leaves = [
-            u for u in jax.tree.leaves(new_updates) if jnp.issubdtype(u.dtype, jnp.inexact)
-        ]
+        leaves = [u for u in jax.tree.leaves(new_updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
         finite = (
             jnp.all(jnp.stack([jnp.isfinite(jnp.sum(u * 0)) for u in leaves]))
             if leaves

@@ -52,11 +52,15 @@ def test_a_nan_on_one_of_8_workers_skips_the_step_on_all(name, how):
     state0 = H.stack(tx.init(PARAMS))
     if how == "pmap":
         step = jax.pmap(tx.update, axis_name=H.AXIS)
-        workers = lambda out: [jax.tree.map(lambda x: x[w], out) for w in range(H.N)]  # noqa: E731
+
+        def workers(out):
+            return [jax.tree.map(lambda x, w=w: x[w], out) for w in range(H.N)]
     else:
         step, sh = H.sharded(tx)
         step = lambda g, s, f=step: f(jax.device_put(g, sh), jax.device_put(s, sh))  # noqa: E731
-        workers = lambda out: [out]  # noqa: E731  out_specs=P(): the same on every worker
+
+        def workers(out):  # out_specs=P(): the same on every worker
+            return [out]
 
     out, state1 = step(grads(1, bad=np.nan), state0)
     for upd in workers(out):
@@ -85,7 +89,7 @@ def test_optax_apply_if_finite_around_an_exchange_is_what_fails():
 
 
 def test_local_sgd_skips_on_every_worker_with_axis_name_and_keeps_its_schedule():
-    """Between syncs updates are per worker: axis_name agrees the skip, the sync count stays equal."""
+    """Between syncs updates are per worker: axis_name agrees the skip; sync counts stay equal."""
     params = H.stack(PARAMS)
     inner = jaxcomm.local_sgd(optax.sgd(0.1), every=2, axis_name=H.AXIS)
     tx = jaxcomm.skip_nonfinite(inner, axis_name=H.AXIS)

@@ -107,9 +107,7 @@ def test_bytes_are_the_ring_bound_at_the_compressed_size_and_match_hlo():
     want = N * (chunk + tiny) + (chunk + tiny + 1) + 3 * 4
     assert jaxcomm.wire_bytes(tx, PARAMS, N) == want
     g = H.per_worker_grads(PARAMS, seed=1)
-    hlo = jaxcomm.accounting.hlo_collectives(
-        H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS)))
-    )
+    hlo = jaxcomm.accounting.hlo_collectives(H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS))))
     assert sum(c.nbytes for c in hlo) == want
     assert {c.kind for c in hlo} == {"all_to_all", "all_gather", "all_reduce"}
     # traffic per worker: 2(n-1)/n of a payload against (n-1) payloads received

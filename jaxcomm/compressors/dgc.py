@@ -277,7 +277,6 @@ def _select(v: jax.Array, plan: _Plan, offset: jax.Array, step: jax.Array) -> ja
     that threshold is used. Which of the selected are sent: :func:`_keep`.
     Exact zeros are never selected; NaN always is.
     """
-    d = v.shape[0]
     a = jnp.abs(v).astype(jnp.float32)
     if plan.stride == 1:
         sample = a

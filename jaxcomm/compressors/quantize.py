@@ -172,12 +172,8 @@ def int8(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
-      exchange: ``"gather"`` (default; every worker receives every payload),
-        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
-        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
-        ``"auto"`` (two-phase on more than 2 workers) or ``"reduce_scatter"``
-        (sharded training: the update is this worker's shard of the mean along
-        the first dimension); see :func:`jaxcomm.compress`.
+      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -292,12 +288,8 @@ def qsgd(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
-      exchange: ``"gather"`` (default; every worker receives every payload),
-        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
-        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
-        ``"auto"`` (two-phase on more than 2 workers) or ``"reduce_scatter"``
-        (sharded training: the update is this worker's shard of the mean along
-        the first dimension); see :func:`jaxcomm.compress`.
+      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -469,12 +461,8 @@ def terngrad(
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
 
-      exchange: ``"gather"`` (default; every worker receives every payload),
-        ``"two_phase"`` (compressed reduce-scatter + all-gather with a server
-        residual: ``2(n-1)/n`` of a payload per worker, decode work flat in n)
-        ``"auto"`` (two-phase on more than 2 workers) or ``"reduce_scatter"``
-        (sharded training: the update is this worker's shard of the mean along
-        the first dimension); see :func:`jaxcomm.compress`.
+      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
