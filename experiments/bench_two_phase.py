@@ -167,7 +167,7 @@ def accuracy() -> dict:
 
 def main(argv):
     del argv
-    result = {"argv": sys.argv}
+    result = {"command": " ".join(["python -m experiments.bench_two_phase", *sys.argv[1:]])}
     if FLAGS.part in ("all", "traffic"):
         result["traffic"] = traffic()
     if FLAGS.part in ("all", "decode"):

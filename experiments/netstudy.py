@@ -105,7 +105,7 @@ def _run_cell(model: str, n: int, rate: str, method: str, steps: int) -> dict:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {
-        "command": " ".join(argv),
+        "command": " ".join("python" if a == sys.executable else a for a in argv),
         "process_wall_s": time.perf_counter() - t0,
         "curve": [
             {k: r[k] for k in ("step", "accuracy", "train_s", "wire_bytes", "loss")} for r in rows

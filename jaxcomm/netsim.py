@@ -76,6 +76,7 @@ __all__ = [
     "powersgd_bytes",
     "powersgd_time",
     "reduce_scatter_time",
+    "alltoall_time",
     "required_compression",
     "ring_allreduce_time",
     "step_time",
@@ -88,7 +89,7 @@ __all__ = [
 #: All-reduce algorithms understood by :func:`allreduce_time`.
 ALGORITHMS = ("ring", "halving_doubling", "hierarchical", "parameter_server")
 #: Collective kinds understood by :func:`collective_time` (those of ``wire_report``).
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "collective_permute")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 
 #: PyTorch DDP's default gradient bucket (``bucket_cap_mb=25``).
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -331,6 +332,20 @@ def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.latency_s + (n - 1) / n * link.seconds(nbytes)
 
 
+def alltoall_time(nbytes: float, n: int, link: Link) -> float:
+    """Pairwise-exchange all-to-all of an ``nbytes`` operand: ``(n-1)α + (n-1)/n · S/B``.
+
+    Each worker keeps its own ``S/n`` row and sends one row to each of the
+    ``n-1`` others, one peer per step (the two-phase exchange's first phase).
+
+    Example:
+      >>> alltoall_time(8e6, 4, Link(8e9))   # 3 rows of 2 MB at 1 GB/s
+      0.006
+    """
+    n, nbytes = _count("n", n), _non_negative("nbytes", nbytes)
+    return (n - 1) * link.latency_s + (n - 1) / n * link.seconds(nbytes)
+
+
 def collective_permute_time(nbytes: float, n: int, link: Link) -> float:
     """One collective permute (every worker sends ``nbytes`` to one peer): ``α + s/B``.
 
@@ -487,7 +502,7 @@ def collective_time(
 
     Args:
       kind: ``"all_reduce"`` (uses ``algorithm``), ``"all_gather"``,
-        ``"reduce_scatter"`` or ``"collective_permute"`` (flat, on the
+        ``"reduce_scatter"``, ``"all_to_all"`` or ``"collective_permute"`` (flat, on the
         cluster's slowest link).
       nbytes: bytes one worker contributes (all-reduce: S; all-gather: its
         piece s), as in :class:`jaxcomm.exchange.Collective`.
@@ -509,6 +524,7 @@ def collective_time(
     fn = {
         "all_gather": allgather_time,
         "reduce_scatter": reduce_scatter_time,
+        "all_to_all": alltoall_time,
         "collective_permute": collective_permute_time,
     }[kind]
     return fn(nbytes, n_workers, link)
