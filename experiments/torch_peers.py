@@ -200,6 +200,163 @@ def spread(times: list[float]) -> dict:
     )
 
 
+# --- PowerSGD: torch's hook and jaxcomm's transform on the same inputs -----------------
+
+
+class HookBucket:
+    """The part of a DDP ``GradBucket`` that ``powerSGD_hook`` reads: one flat buffer whose
+    views are the gradients (in the given order), bucket index 0, always the last bucket."""
+
+    def __init__(self, tensors: list[np.ndarray]):
+        self._buf = torch.cat(
+            [torch.from_numpy(np.asarray(t, np.float32)).reshape(-1) for t in tensors]
+        )
+        self._grads, off = [], 0
+        for t in tensors:
+            size = int(np.prod(t.shape))
+            self._grads.append(self._buf[off : off + size].view(tuple(t.shape)))
+            off += size
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def index(self) -> int:
+        return 0
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def is_last(self) -> bool:
+        return True
+
+
+def hook_q_layout(shapes: list[tuple[int, ...]], rank: int, min_rate: float) -> dict[int, tuple]:
+    """Where each compressed tensor's Q lies in the hook's flat ``q_memory_dict`` buffer.
+
+    The hook views tensor ``i`` as ``(shape[0], rest)`` and lays the Q's of the
+    compressed ones out grouped by matrix shape (in order of first appearance),
+    then in tensor order. Returns ``{i: (offset, m, r)}``.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        n, m = shape[0], int(np.prod(shape[1:]))
+        r = min(n, m, rank)
+        if len(shape) >= 2 and _should_compress(n, m, r, min_rate)[0]:
+            groups.setdefault((n, m), []).append(i)
+    out, off = {}, 0
+    for (n, m), idx in groups.items():
+        r = min(n, m, rank)
+        for i in idx:
+            out[i] = (off, m, r)
+            off += m * r
+    return out
+
+
+def init_gloo_single(port: int) -> None:
+    """A ``world_size=1`` gloo process group in this process (the hook needs one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def powersgd_side_by_side(
+    grads: list[list[np.ndarray]],
+    *,
+    rank: int = 2,
+    start_iter: int = 2,
+    min_rate: float = 2.0,
+    seed: int = 0,
+    q_override=None,
+) -> dict:
+    """Runs torch's ``powerSGD_hook`` and ``jaxcomm.powersgd`` over the same gradients.
+
+    ``grads[t]`` are step ``t``'s tensors in torch layout (one bucket, in this
+    order); the hook runs with a ``world_size=1`` group (:func:`init_gloo_single`
+    first), jaxcomm locally (``axis_name=None``) with ``matrix_view="first"``,
+    torch's view. Both keep error feedback and warm start on. The initial Q is
+    jaxcomm's (drawn from ``seed``), written into the hook's ``q_memory_dict``
+    before its first PowerSGD step (the hook then orthogonalises it, which
+    changes P's columns by an upper-triangular factor and so not P̂).
+    ``q_override`` (tests only) replaces the Q handed to jaxcomm.
+
+    Returns per step the max |torch − jaxcomm| of the outputs, and after the
+    last step that of Q and of the residual, plus the output scale.
+    """
+    import jax
+    import jax.numpy as jnp
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    import jaxcomm
+
+    shapes = [tuple(g.shape) for g in grads[0]]
+    names = [f"t{i:03d}" for i in range(len(shapes))]
+    tx = jaxcomm.powersgd(
+        rank,
+        key=jax.random.key(seed),
+        start_iter=start_iter,
+        min_compression_rate=min_rate,
+        matrix_view="first",
+    )
+    state = tx.init({k: jnp.zeros(s, jnp.float32) for k, s in zip(names, shapes)})
+    layout = hook_q_layout(shapes, rank, min_rate)
+    comp = sorted(layout)  # jaxcomm's state.q: compressed leaves in tree order = this order
+    hs = ph.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=start_iter,
+        min_compression_rate=min_rate,
+        use_error_feedback=True,
+        warm_start=True,
+    )
+    q_jax = [np.asarray(q) for q in state.q]
+    total_q = sum(m * r for _, m, r in layout.values())
+    total_p = sum(s[0] * layout[i][2] for i, s in enumerate(shapes) if i in layout)
+    q_buf = torch.zeros(total_q)
+    for i, q in zip(comp, q_jax):
+        off, m, r = layout[i]
+        q_buf[off : off + m * r] = torch.from_numpy(q).reshape(-1)
+    if q_override is not None:
+        state = state._replace(q=tuple(jnp.asarray(q) for q in q_override))
+    update = jax.jit(tx.update)
+    steps = []
+    for t, step_grads in enumerate(grads):
+        if t == start_iter:  # the hook's first PowerSGD step: give it jaxcomm's Q
+            hs.p_memory_dict[0] = torch.zeros(total_p)
+            hs.q_memory_dict[0] = q_buf.clone()
+        bucket = HookBucket(step_grads)
+        torch_out = ph.powerSGD_hook(hs, bucket).wait()
+        if isinstance(torch_out, list):
+            torch_out = torch_out[0]
+        upd, state = update(dict(zip(names, (jnp.asarray(g) for g in step_grads))), state)
+        jax_out = np.concatenate([np.asarray(upd[k]).reshape(-1) for k in names])
+        steps.append(float(np.abs(torch_out.numpy() - jax_out).max()))
+    q_t = hs.q_memory_dict[0].numpy()
+    q_diff = max(
+        float(
+            np.abs(
+                q_t[layout[i][0] : layout[i][0] + layout[i][1] * layout[i][2]]
+                - np.asarray(q).reshape(-1)
+            ).max()
+        )
+        for i, q in zip(comp, state.q)
+    )
+    res_j = np.concatenate([np.asarray(state.residual[k]).reshape(-1) for k in names])
+    return dict(
+        output_max_abs_diff=steps,
+        q_max_abs_diff=q_diff,
+        residual_max_abs_diff=float(np.abs(hs.error_dict[0].numpy() - res_j).max()),
+        output_scale=float(np.abs(jax_out).max()),
+        compressed=len(comp),
+        tensors=len(shapes),
+        floats_per_step=total_p
+        + total_q
+        + sum(int(np.prod(s)) for i, s in enumerate(shapes) if i not in layout),
+    )
+
+
 # --- the DDP worker ---------------------------------------------------------------------
 
 
@@ -304,6 +461,36 @@ def run_worker(model_name: str, configs: list[str], batch_size: int, warmup: int
     return rank, out
 
 
+def time_collectives(d: int, reps: int) -> dict:
+    """Median seconds of ``dist.all_reduce`` of d entries: fp32, fp16 (as the fp16 hook sends:
+    g/n in float16) and uint8 (the same bytes, integer sum: the wire without fp16 arithmetic)."""
+    import torch.distributed as dist
+
+    rank, world = _init_env()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    g = torch.from_numpy(np.random.default_rng(rank).normal(size=d).astype(np.float32))
+    make = {
+        "psum_f32": lambda: g.clone(),
+        "psum_f16": lambda: g.to(torch.float16).div_(world),
+        "psum_bf16": lambda: g.to(torch.bfloat16),
+        "psum_u8_bits": lambda: g.to(torch.float16).view(torch.uint8),
+    }
+    out = {}
+    for _ in range(2):
+        for k, f in make.items():
+            ts = []
+            for _ in range(reps):
+                x = f()
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                ts.append(time.perf_counter() - t0)
+            out[k] = min(out.get(k, 1e9), float(np.median(ts)))
+    dist.destroy_process_group()
+    return rank, {"d": d, "world": world, "median_s": out}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
@@ -312,8 +499,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", required=True, help="rank 0 writes its JSON here")
+    ap.add_argument("--collectives", type=int, default=0, help="time bare all-reduces of d")
     a = ap.parse_args()
-    rank, out = run_worker(a.model, a.configs.split(","), a.batch, a.warmup, a.reps)
+    if a.collectives:
+        rank, out = time_collectives(a.collectives, a.reps)
+    else:
+        rank, out = run_worker(a.model, a.configs.split(","), a.batch, a.warmup, a.reps)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
