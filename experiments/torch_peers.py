@@ -317,7 +317,7 @@ def powersgd_side_by_side(
     q_buf = torch.zeros(total_q)
     for i, q in zip(comp, q_jax):
         off, m, r = layout[i]
-        q_buf[off : off + m * r] = torch.from_numpy(q).reshape(-1)
+        q_buf[off : off + m * r] = torch.from_numpy(np.array(q)).reshape(-1)
     if q_override is not None:
         state = state._replace(q=tuple(jnp.asarray(q) for q in q_override))
     update = jax.jit(tx.update)
