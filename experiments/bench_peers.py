@@ -98,7 +98,7 @@ def _model(name: str):
     return model, v["params"], v.get("batch_stats", {})
 
 
-def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False):
+def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False, donate=True):
     """jit(shard_map(step)): per-worker grads (pcast), exchange by ``tx`` (or a hand pmean)."""
     import jax
     import optax
@@ -133,7 +133,7 @@ def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False):
     specs = (P(), P("data"), P("data"), P("data"), P("data"))
     return jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), P("data"), P("data"))),
-        donate_argnums=(0, 1, 2),
+        donate_argnums=(0, 1, 2) if donate else (),
     )
 
 
@@ -173,9 +173,9 @@ def overhead_part(model_names, reps: int, batch: int) -> list[dict]:
 
         tx_lib = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.sgd(0.01))
         cases = {
-            "jaxcomm": (_train_step(model, tx_lib, mesh, has_bn), tx_lib),
+            "jaxcomm": (_train_step(model, tx_lib, mesh, has_bn, donate=False), tx_lib),
             "hand_pmean": (
-                _train_step(model, None, mesh, has_bn, hand_pmean=True),
+                _train_step(model, None, mesh, has_bn, hand_pmean=True, donate=False),
                 optax.sgd(0.01),
             ),
         }
