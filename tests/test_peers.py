@@ -1,0 +1,98 @@
+"""jaxcomm next to PyTorch: the twin models agree, and PowerSGD equals torch's DDP hook.
+
+Skipped without torch (CI does not install it): ``pip install -e ".[peers]"
+--extra-index-url https://download.pytorch.org/whl/cpu``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip(
+    "torch",
+    reason='needs torch: pip install -e ".[peers]" '
+    "--extra-index-url https://download.pytorch.org/whl/cpu",
+)
+
+from experiments import launch, models  # noqa: E402
+from experiments import torch_peers as tp  # noqa: E402
+
+
+def _losses(flax_model, torch_model, shape, batch=3):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch,) + shape).astype(np.float32)
+    y = rng.integers(0, 10, size=batch).astype(np.int32)
+    v = flax_model.init(jax.random.key(1), jnp.asarray(x), train=False)
+    kw = {"mutable": ["batch_stats"]} if "batch_stats" in v else {}
+    logits = flax_model.apply(v, jnp.asarray(x), train=True, **kw)
+    logits = logits[0] if kw else logits
+    lj = float(optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(y)).mean())
+    net = tp.load_flax(torch_model, v["params"]).train()
+    with torch.no_grad():
+        out = net(tp.to_torch_input(x))
+        lt = float(torch.nn.functional.cross_entropy(out, torch.from_numpy(y).long()))
+    return lj, lt
+
+
+def test_mlp_twins_same_loss():
+    flax_model = models.MLP(num_classes=10, hidden=16, depth=2)
+    lj, lt = _losses(flax_model, tp.TorchMLP(12, 10, 16, 2), (12,))
+    np.testing.assert_allclose(lt, lj, rtol=1e-5)
+
+
+def test_resnet_twins_same_loss():
+    # stride-2 stages (Flax SAME pads the end only), projections, BatchNorm in training mode
+    flax_model = models.ResNet(num_classes=10, stages=(4, 8), blocks=1)
+    lj, lt = _losses(flax_model, tp.TorchResNet(10, (4, 8), 1, in_ch=3), (6, 6, 3))
+    np.testing.assert_allclose(lt, lj, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    tp.init_gloo_single(launch.free_port())
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Two tensors share a shape, apart in the bucket: the hook lays their Q's out side by side.
+_SHAPES = [(32, 16), (32,), (8, 4, 3, 3), (32, 16), (4, 4), (10, 32)]
+
+
+def _grads(steps=5):
+    rng = np.random.default_rng(0)
+    return [[rng.normal(size=s).astype(np.float32) for s in _SHAPES] for _ in range(steps)]
+
+
+def test_powersgd_equals_torch_hook(gloo_group):
+    r = tp.powersgd_side_by_side(_grads(), rank=2, start_iter=2, min_rate=2.0)
+    assert r["compressed"] == 4  # (4, 4) is left dense by the compression-rate rule
+    tol = 2e-6 * r["output_scale"]
+    assert max(r["output_max_abs_diff"]) < tol, r
+    assert r["q_max_abs_diff"] < tol and r["residual_max_abs_diff"] < tol, r
+
+
+def test_powersgd_wire_bytes_equal_torch_hook():
+    import jaxcomm
+
+    tx = jaxcomm.powersgd(2, key=jax.random.key(0), axis_name="data", matrix_view="first")
+    tree = {f"t{i:03d}": jnp.zeros(s) for i, s in enumerate(_SHAPES)}
+    layout = tp.hook_q_layout(_SHAPES, 2, 2.0)
+    floats = 0
+    for i, s in enumerate(_SHAPES):  # compressed: P (a·r) + Q (b·r); else the whole tensor
+        floats += (s[0] + layout[i][1]) * layout[i][2] if i in layout else int(np.prod(s))
+    assert jaxcomm.wire_bytes(tx, tree, 2) == 4 * floats
+
+
+def test_powersgd_another_q_disagrees(gloo_group):
+    """The check can fail: jaxcomm started from another Q than torch's."""
+    grads = _grads()
+    layout = tp.hook_q_layout(_SHAPES, 2, 2.0)
+    rng = np.random.default_rng(7)
+    other = [rng.normal(size=(m, r)).astype(np.float32) for _, (_, m, r) in sorted(layout.items())]
+    r = tp.powersgd_side_by_side(grads, rank=2, start_iter=2, min_rate=2.0, q_override=other)
+    assert max(r["output_max_abs_diff"]) > 1e-2 * r["output_scale"]
