@@ -476,6 +476,15 @@ def castcost_worker(d: int, reps: int, out: str) -> None:
         "ring_ppermute_f16_wire_f32_sum": ring_f16,
         "cast_f16_local_only": lambda v: (v / n).astype(jnp.float16).astype(jnp.float32) * n,
     }
+    # jaxcomm's own fp16 paths: the psum (the default) and the two-phase exchange of
+    # uint16 words summed in fp32 (README "Two-phase exchange")
+    for label, kw in (
+        ("jaxcomm_cast_f16_psum", {}),
+        ("jaxcomm_cast_f16_two_phase", {"accumulate": "all_gather", "exchange": "two_phase"}),
+    ):
+        tx = jaxcomm.cast(jnp.float16, axis_name="data", min_size=0, **kw)
+        state0 = tx.init({"w": jnp.zeros((d,), jnp.float32)})
+        cases[label] = lambda v, tx=tx, s=state0: tx.update({"w": v}, s)[0]["w"]
     fns = {
         k: jax.jit(
             jax.shard_map(

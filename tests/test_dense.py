@@ -101,5 +101,5 @@ def test_cast_fp16_psum_does_not_overflow_at_the_edge_of_the_range(n):
     assert np.all(np.isfinite(got))
     # each g/n rounds once to fp16, each of the n-1 additions once: relative error <= n * eps
     np.testing.assert_allclose(got, exact, rtol=n * float(np.finfo(np.float16).eps))
-    # still 2 bytes per entry on the wire
-    assert jaxcomm.wire_bytes(tx, params, n) == 2 * 4096
+    # 2 bytes per entry on the wire; on XLA:CPU widened to 4 (F16 sums there are slow)
+    assert jaxcomm.wire_bytes(tx, params, n) == (4 if jax.default_backend() == "cpu" else 2) * 4096

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -64,6 +65,14 @@ class Cast(core.CompressorBase):
     ``accumulate="psum"`` sums the 16-bit payload with an all-reduce in that
     dtype. ``accumulate="all_gather"`` bit-casts the payload to ``uint16``,
     all-gathers it and sums the n payloads in float32.
+
+    fp16 psum on the CPU backend: the fp16-rounded payload is widened to
+    float32 for the all-reduce (``widened``). XLA:CPU's gloo communicator
+    sums F16 element by element through scalar half<->float conversions: a
+    bare fp16 all-reduce of 1.1M entries took 1.6-1.9x the fp32 one at 2
+    processes and 4.0-4.7x at 4 (torch's gloo: 0.7-1.4x), while the cast
+    itself costs 0.03x. XLA already widens bf16 all-reduces this way on CPU;
+    the wire report then says 4 bytes per entry, as the program moves.
     """
 
     carries_nonfinite = True  # NaN/Inf survive the cast and the sum: no NaN flag needed
@@ -80,11 +89,17 @@ class Cast(core.CompressorBase):
     def _n(self) -> int:
         return exchange.axis_size(self.axis_name) if self.prediv else 1
 
+    def widened(self) -> bool:
+        """Whether the fp16 psum runs in float32 (on the CPU backend; see the class doc)."""
+        return self.prediv and jax.default_backend() == "cpu"
+
     def encode(self, p, key):
         n = self._n()
         q = (p / jnp.asarray(n, p.dtype) if n > 1 else p).astype(self.dtype)
         if self.kind == "all_gather":
             q = lax.bitcast_convert_type(q, jnp.uint16)
+        elif self.widened():  # fp16-rounded values, summed exactly in float32
+            q = q.astype(jnp.float32)
         return (q,), None
 
     def decode(self, payload, aux, d, dtype):
@@ -101,7 +116,7 @@ class Cast(core.CompressorBase):
         return super().decode_mean(received, aux, d, dtype, n)
 
     def wire_size(self, d: int, dtype: Any) -> int:
-        return d * self.dtype.itemsize
+        return d * (4 if self.widened() else self.dtype.itemsize)
 
 
 def cast(
