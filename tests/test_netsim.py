@@ -240,7 +240,14 @@ def test_exchange_time_axis_links():
 
 def test_exchange_time_rejects_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
-        netsim.exchange_time([_C("all_to_all", 10)], 4, LINK)
+        netsim.exchange_time([_C("broadcast", 10)], 4, LINK)
+
+
+def test_all_to_all_is_priced_as_n_minus_1_rows():
+    """The two-phase exchange's all-to-all: (n-1) alpha + (n-1)/n of the operand."""
+    link = Link(8 * GBIT, latency_s=1e-4)
+    got = netsim.exchange_time([_C("all_to_all", 8e6)], 4, link)
+    assert got == pytest.approx(3 * 1e-4 + 3 / 4 * 8e6 * 8 / (8 * GBIT), rel=1e-12)
 
 
 # --- step time ------------------------------------------------------------------
