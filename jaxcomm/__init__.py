@@ -10,7 +10,7 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
-from jaxcomm.optim import onebit_adam
+from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
 from jaxcomm.sync import (
     accumulate,
     delayed_averaging,
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressState",
     "Compressor",
+    "ZeroOneAdamState",
     "accounting",
     "accumulate",
     "allreduce",
@@ -58,4 +59,5 @@ __all__ = [
     "topk",
     "twobit",
     "wire_bytes",
+    "zero_one_adam",
 ]

@@ -1,4 +1,6 @@
-"""1-bit Adam: NumPy reference over warm-up and compressed steps, bytes, convergence on digits."""
+"""1-bit Adam and 0/1 Adam: NumPy references over every phase, bytes (HLO too), digits."""
+
+import copy
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,25 @@ def np_sign(x):
     return np.float32(np.mean(np.abs(x))) * np.where(x < 0, -1, 1).astype(np.float32)
 
 
+def np_two_phase(x, err, srv):
+    """1-bit two-phase mean of the rows of ``x`` (N, d) with worker residuals ``err``
+    (N, d) and server residuals ``srv`` (N, N*c; worker j owns chunk j), updated in place."""
+    d = x.shape[1]
+    c = -(-d // N)
+    p = x + err  # (N, d): input + worker error
+    pad = np.pad(p, ((0, 0), (0, N * c - d))).reshape(N, N, c)
+    sent = np.stack([[np_sign(pad[w, j]) for j in range(N)] for w in range(N)])
+    err[:] = p - sent.reshape(N, N * c)[:, :d]
+    chunks = []
+    for j in range(N):
+        s = sent[:, j].mean(0) + srv[j, j * c : (j + 1) * c]
+        q = np_sign(s)
+        srv[j, j * c : (j + 1) * c] = s - q
+        chunks.append(q)
+    srv[:, d:] = 0  # the zero padding of the last chunk is not kept in the state
+    return np.concatenate(chunks)[:d]
+
+
 def np_onebit_adam(grads_seq, warmup):
     """Per step, the update every worker applies (8 workers, two-phase exchange)."""
     d = PARAMS["w"].size
@@ -39,18 +60,7 @@ def np_onebit_adam(grads_seq, warmup):
                 v[k] = B2 * v[k] + (1 - B2) * gm * gm
         else:
             m["b"] = (B1 * m["b"] + (1 - B1) * g["b"]).mean(0)  # dense leaf: plain mean
-            p = B1 * m["w"] + (1 - B1) * g["w"] + err  # (N, d): momentum + worker error
-            pad = np.pad(p, ((0, 0), (0, N * c - d))).reshape(N, N, c)
-            sent = np.stack([[np_sign(pad[w, j]) for j in range(N)] for w in range(N)])
-            err = p - sent.reshape(N, N * c)[:, :d]
-            chunks = []
-            for j in range(N):
-                s = sent[:, j].mean(0) + srv[j, j * c : (j + 1) * c]
-                q = np_sign(s)
-                srv[j, j * c : (j + 1) * c] = s - q
-                chunks.append(q)
-            srv[:, d:] = 0  # the zero padding of the last chunk is not kept in the state
-            m["w"] = np.concatenate(chunks)[:d]
+            m["w"] = np_two_phase(B1 * m["w"] + (1 - B1) * g["w"], err, srv)
         outs.append({k: -LR * m[k] / (np.sqrt(v[k]) + EPS) for k in PARAMS})
     return outs
 
@@ -130,3 +140,129 @@ def test_bad_arguments():
         jaxcomm.onebit_adam(1e-3, eps=0.0)
     with pytest.raises(ValueError, match="exchange"):
         jaxcomm.onebit_adam(1e-3, exchange="ring")
+
+
+# ---- 0/1 Adam -------------------------------------------------------------------------
+# variance steps 1, 2 (interval 1), 4, 6 (interval 2), 8 (interval 4); 1-bit steps 3, 5,
+# 7, 9, 10; frozen from 11: syncs 11, 12 (interval 1), 14, 16 (interval 2), 20 (interval
+# 4 = the clipper, reached at 16 and kept), local steps 13, 15, 17, 18, 19
+ZO = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+ZO_KINDS = "vvovovovoo" + "ssls" + "lsllls"
+WD = 0.01
+
+
+def zo_lr(count):
+    return LR / (1 + 0.1 * count)
+
+
+def np_zero_one_schedule(steps, var_freeze_step, var_update_scaler, local_step_scaler, clipper):
+    """Kind of each step s = 1..steps: v(ariance), o(ne-bit), s(ync), l(ocal); the rules
+    of Lu et al. 2022 / DeepSpeed's ZeroOneAdam with its counters."""
+    kinds, vi, vc, li, lc = [], 1, 0, 1, 0
+    for s in range(1, steps + 1):
+        if s <= var_freeze_step:
+            kinds.append("v" if s % vi == 0 else "o")
+            if s % vi == 0:
+                vc += 1
+                if vc == var_update_scaler:
+                    vc, vi = 0, vi * 2
+        else:
+            kinds.append("s" if s % li == 0 else "l")
+            lc += 1
+            if lc == local_step_scaler:
+                lc, li = 0, min(clipper, li * 2)
+    return "".join(kinds)
+
+
+def np_zero_one_adam(grads_seq):
+    """Every worker's update and state after each step (8 workers, two-phase exchange)."""
+    d = PARAMS["w"].size
+    c = -(-d // N)
+    kinds = np_zero_one_schedule(len(grads_seq), *ZO.values())
+    sizes = {k: PARAMS[k].size for k in PARAMS}
+    p = {k: np.zeros((N, sizes[k]), np.float32) for k in PARAMS}
+    m = {k: np.zeros((N, sizes[k]), np.float32) for k in PARAMS}
+    v = {k: np.zeros(sizes[k], np.float32) for k in PARAMS}
+    u = {k: np.zeros((N, sizes[k]), np.float32) for k in PARAMS}
+    err = np.zeros((N, d), np.float32)  # worker residuals ("w"; "b" is averaged densely)
+    srv = np.zeros((N, N * c), np.float32)  # server residuals (worker j uses chunk j)
+    lrs, n_comm, trace = 0.0, 0, []
+
+    def mean(k, x):  # the compressed exchange of leaf k (x: (N, size))
+        return np_two_phase(x, err, srv) if k == "w" else x.mean(0)
+
+    for t, (g, kind) in enumerate(zip(grads_seq, kinds)):
+        g = {k: np.asarray(g[k], np.float32).reshape(N, -1) for k in PARAMS}
+        lr = LR / (1 + 0.1 * t)
+        D = {k: np.sqrt(v[k]) + EPS for k in PARAMS}
+        out = {}
+        if kind in "vo":
+            for k in PARAMS:
+                gm = g[k].mean(0) if kind == "v" else mean(k, g[k])
+                m[k] = np.broadcast_to(B1 * m[k] + (1 - B1) * gm, (N, sizes[k])).copy()
+                if kind == "v":
+                    v[k] = B2 * v[k] + (1 - B2) * gm * gm
+                out[k] = -lr * (m[k] / (np.sqrt(v[k]) + EPS) + WD * p[k])
+            n_comm += kind == "o"
+        else:
+            if t == ZO["var_freeze_step"]:  # first frozen step: residuals start from zero
+                err[:], srv[:] = 0, 0
+            lrs += lr
+            for k in PARAMS:
+                m[k] = B1 * m[k] + (1 - B1) * g[k]
+                delta = -lr * (m[k] / D[k] + WD * p[k])
+                if kind == "l":
+                    u[k] = u[k] + delta
+                    out[k] = delta
+                else:
+                    ubar = mean(k, (u[k] + delta) * D[k])
+                    out[k] = np.broadcast_to(ubar / D[k] - u[k], (N, sizes[k]))
+                    m[k] = np.broadcast_to(-ubar / lrs, (N, sizes[k])).copy()
+                    u[k] = np.zeros_like(u[k])
+            if kind == "s":
+                lrs, n_comm = 0.0, n_comm + 1
+        p = {k: p[k] + out[k] for k in PARAMS}
+        state = dict(m=m, v=v, u=u, err=err, srv=srv, lrs=lrs, n_comm=n_comm)
+        trace.append((out, copy.deepcopy(state)))
+    return kinds, trace
+
+
+def test_zero_one_adam_matches_numpy_over_every_phase():
+    """Variance steps, 1-bit steps, then local steps and syncs (the interval doubling up to
+    the clipper), with a learning-rate schedule and weight decay; updates and state of
+    every worker after every step."""
+    grads_seq = [H.per_worker_grads(PARAMS, seed=s) for s in range(len(ZO_KINDS))]
+    kinds, trace = np_zero_one_adam(grads_seq)
+    assert kinds == ZO_KINDS  # the NumPy schedule is the one worked out by hand above
+    tx = jaxcomm.zero_one_adam(zo_lr, **ZO, axis_name=H.AXIS, weight_decay=WD, min_size=64)
+    step = jax.pmap(tx.update, axis_name=H.AXIS)
+    state, params = H.stack(tx.init(PARAMS)), H.stack(PARAMS)
+    d = PARAMS["w"].size
+    c = -(-d // N)
+
+    def close(a, b, msg):
+        atol = 1e-6 + 2e-5 * np.abs(b).max()
+        np.testing.assert_allclose(np.asarray(a).reshape(np.shape(b)), b, 2e-4, atol, err_msg=msg)
+
+    for t, (g, (want, ref)) in enumerate(zip(grads_seq, trace)):
+        out, state = step(g, state, params)
+        params = jax.tree.map(jnp.add, params, out)
+        at = f"step {t + 1} ({kinds[t]})"
+        for k in PARAMS:
+            close(out[k], want[k].reshape(N, -1), f"update {k} {at}")
+            close(state.mu[k], ref["m"][k], f"mu {k} {at}")
+            close(state.nu[k][0], ref["v"][k], f"nu {k} {at}")
+            close(state.u[k], ref["u"][k], f"u {k} {at}")
+        close(state.comm.residual["w"], ref["err"], f"worker residual {at}")
+        server, srv = np.asarray(state.comm.server["w"]).reshape(N, -1), ref["srv"][:, :d]
+        for j in range(N):  # worker j keeps the server residual of the chunk it averages
+            close(server[j, j * c : (j + 1) * c], srv[j, j * c : (j + 1) * c], f"server {at}")
+        close(state.lrs, np.full(N, ref["lrs"], np.float32), f"lrs {at}")
+        np.testing.assert_array_equal(np.asarray(state.comm.count), ref["n_comm"], err_msg=at)
+    np.testing.assert_array_equal(np.asarray(state.count), len(ZO_KINDS))
+    np.testing.assert_array_equal(np.asarray(state.nonfinite), 0)
+    # after a sync every worker is back on the same params (the last step is a sync)
+    for k in PARAMS:
+        np.testing.assert_allclose(
+            np.asarray(params[k]), np.asarray(params[k])[:1].repeat(N, 0), atol=1e-6
+        )

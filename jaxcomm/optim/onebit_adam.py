@@ -1,12 +1,6 @@
-"""Optimizers whose communication is part of the algorithm: 1-bit Adam.
+"""1-bit Adam (Tang et al. 2021): dense Adam warm-up, then 1-bit momentum with a frozen variance.
 
-Adam's variance ``v`` cannot be compressed with error feedback (it is not a
-linear function of the gradients), but it becomes stable early in training.
-1-bit Adam (Tang et al. 2021) runs ordinary Adam with dense all-reduce for a
-warm-up, then freezes ``v`` and communicates only the momentum, compressed to
-one bit per entry with error feedback on both sides of the two-phase exchange
-(:func:`jaxcomm.exchange.two_phase`), the variance acting as a fixed
-preconditioner.
+See :mod:`jaxcomm.optim` for why the variance is frozen.
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ from jaxcomm import buckets, core, sync
 from jaxcomm import exchange as _xc
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
+from jaxcomm.optim import _common
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
 
@@ -106,12 +101,7 @@ def onebit_adam(
       with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888.
     """
     warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-            raise ValueError(f"{name}: expected a float in [0, 1), got {value!r}")
-    eps = core.check_positive(eps, "eps")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay: expected a float >= 0, got {weight_decay!r}")
+    eps = _common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = _xc.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comm_tx = core.compress(
@@ -125,23 +115,16 @@ def onebit_adam(
 
     def init_fn(params):
         core._check_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        zeros = lambda: jax.tree.map(  # noqa: E731
-            lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params
-        )
         return OnebitAdamState(
             count=jnp.zeros((), jnp.int32),
-            mu=zeros(),
-            nu=zeros(),
-            comm=comm_tx.init(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)),
+            mu=_common.zeros_f32(params),
+            nu=_common.zeros_f32(params),
+            comm=comm_tx.init(_common.zeros_f32(params)),
             nonfinite=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
-        if not isinstance(state, OnebitAdamState):
-            raise TypeError(
-                f"state: expected the OnebitAdamState made by onebit_adam(...).init(params), "
-                f"got {type(state).__name__}"
-            )
+        _common.check_state(state, OnebitAdamState, "onebit_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
         _xc.check_per_worker(updates, axis_name)
@@ -165,7 +148,7 @@ def onebit_adam(
         else:
             mu, nu, comm = sync._cond(state.count < warmup_steps, warm, compressed, *args)
 
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        lr = _common.learning_rate_at(learning_rate, state.count)
         step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
         if weight_decay:
             step = jax.tree.map(lambda s, p: s + weight_decay * p, step, params)
@@ -173,14 +156,12 @@ def onebit_adam(
 
         # The NaN rule holds for both stages (pmean / compress), so ``ok`` is the
         # same on every worker; state that was finite stays finite.
-        leaves = jax.tree.leaves(mu) + jax.tree.leaves(nu)
-        ok = jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        ok = _common.all_finite(mu, nu)
         return out, OnebitAdamState(
             count=optax.safe_int32_increment(state.count),
-            mu=keep(mu, state.mu),
-            nu=keep(nu, state.nu),
-            comm=keep(comm, state.comm),
+            mu=_common.keep(ok, mu, state.mu),
+            nu=_common.keep(ok, nu, state.nu),
+            comm=_common.keep(ok, comm, state.comm),
             nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
         )
 

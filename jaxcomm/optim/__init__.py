@@ -1,0 +1,18 @@
+"""Optimizers whose communication is part of the algorithm: 1-bit Adam and 0/1 Adam.
+
+Adam's variance ``v`` cannot be compressed with error feedback (it is not a
+linear function of the gradients), but it becomes stable early in training.
+1-bit Adam (Tang et al. 2021) runs ordinary Adam with dense all-reduce for a
+warm-up, then freezes ``v`` and communicates only the momentum, compressed to
+one bit per entry with error feedback on both sides of the two-phase exchange
+(:func:`jaxcomm.exchange.two_phase`), the variance acting as a fixed
+preconditioner. 0/1 Adam (Lu et al. 2022) refreshes ``v`` only on an
+exponentially thinning schedule of steps, compresses every other step, and
+after freezing ``v`` takes local steps, synchronising the accumulated update
+(1-bit, with error feedback) at doubling intervals.
+"""
+
+from jaxcomm.optim.onebit_adam import OnebitAdamState, onebit_adam
+from jaxcomm.optim.zero_one_adam import ZeroOneAdamState, zero_one_adam
+
+__all__ = ["OnebitAdamState", "ZeroOneAdamState", "onebit_adam", "zero_one_adam"]
