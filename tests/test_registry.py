@@ -125,6 +125,8 @@ TESTED_ELSEWHERE = {
     "hierarchical": "tests/test_topology.py (needs a 2-D mesh)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
+    "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
+    "reference, HLO bytes, NaN rule)",
 }
 # vmap sums bf16 payloads in bf16; XLA:CPU's promoted all-reduce sums in f32.
 VMAP_ATOL = {"cast": 2e-2}
