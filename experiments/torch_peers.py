@@ -357,6 +357,315 @@ def powersgd_side_by_side(
     )
 
 
+# --- PowerSGD at world size > 1: torch's hook in a real gloo group, jaxcomm under shard_map ---
+
+
+def worker_grads(shapes, step: int, worker: int, seed: int = 0) -> list[np.ndarray]:
+    """Worker ``worker``'s gradients at ``step`` (torch layout): the same in every process."""
+    rng = np.random.default_rng([seed, step, worker])
+    return [rng.normal(size=s).astype(np.float32) for s in shapes]
+
+
+def initial_q(shapes, *, rank: int, min_rate: float, seed: int = 0) -> list[np.ndarray]:
+    """jaxcomm's initial Q for these shapes (``matrix_view="first"``), one ``(b, r)`` per
+    compressed tensor in tensor order; both sides of :func:`powersgd_group` start from it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomm
+
+    tx = jaxcomm.powersgd(
+        rank, key=jax.random.key(seed), min_compression_rate=min_rate, matrix_view="first"
+    )
+    tree = {f"t{i:03d}": jnp.zeros(s, jnp.float32) for i, s in enumerate(shapes)}
+    return [np.asarray(q) for q in tx.init(tree).q]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hook_group_worker(spec_path: str, rank: int) -> None:
+    """One rank of :func:`torch_powersgd_group` (``python -m experiments.torch_peers
+    --hook_group=SPEC --rank=i``): runs ``powerSGD_hook`` on its own gradients."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    torch.set_num_threads(1)
+    shapes = [tuple(s) for s in spec["shapes"]]
+    world, start = spec["world"], spec["start_iter"]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=world
+    )
+    hs = ph.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=spec["rank"],
+        start_powerSGD_iter=start,
+        min_compression_rate=spec["min_rate"],
+        use_error_feedback=True,
+        warm_start=True,
+    )
+    layout = hook_q_layout(shapes, spec["rank"], spec["min_rate"])
+    total_p = sum(shapes[i][0] * r for i, (_, _, r) in layout.items())
+    q_buf = torch.from_numpy(np.load(spec["q_path"]))
+    outputs, sent, calls = [], [], []
+    for t in range(spec["steps"]):
+        if t == start:  # the hook's first PowerSGD step: give it jaxcomm's Q
+            hs.p_memory_dict[0] = torch.zeros(total_p)
+            hs.q_memory_dict[0] = q_buf.clone()
+        bucket = HookBucket(worker_grads(shapes, t, spec["grads_of"][rank], spec["seed"]))
+        with _ByteCounter() as counter:
+            out = ph.powerSGD_hook(hs, bucket).wait()
+        out = out[0] if isinstance(out, list) else out
+        outputs.append(out.numpy().copy())
+        sent.append(counter.bytes)
+        calls.append(counter.calls)
+    res = dict(
+        residual=hs.error_dict[0].numpy(),
+        q=hs.q_memory_dict[0].numpy(),
+        bytes=np.asarray(sent),
+        calls=np.asarray(calls),
+    )
+    if rank == 0 or spec["all_outputs"]:
+        res["outputs"] = np.stack(outputs)
+    np.savez(os.path.join(spec["dir"], f"rank{rank}.npz"), **res)
+    dist.destroy_process_group()
+
+
+def torch_powersgd_group(
+    shapes,
+    q0: list[np.ndarray],
+    *,
+    world: int = 2,
+    steps: int = 5,
+    rank: int = 2,
+    start_iter: int = 2,
+    min_rate: float = 2.0,
+    seed: int = 0,
+    all_outputs: bool = False,
+    timeout_s: float = 300.0,
+) -> dict:
+    """torch's ``powerSGD_hook`` in a real ``world``-process gloo group on loopback.
+
+    Each rank is a fresh Python process (``subprocess``, a free port) that runs
+    the hook ``steps`` times on one bucket holding its own gradients
+    (:func:`worker_grads` of its rank), with error feedback and warm start; the
+    initial Q ``q0`` (jaxcomm's, :func:`initial_q`) goes into the hook's
+    ``q_memory_dict`` before its first PowerSGD step.
+
+    Returns ``outputs`` (steps, total) of rank 0 (every rank's when
+    ``all_outputs``: ``outputs_per_rank``), ``residual`` (world, total), the
+    final ``q`` buffer (hook layout), ``bytes`` and ``calls`` per step handed to
+    ``dist.all_reduce`` (rank 0).
+    """
+    import subprocess
+    import sys
+    import tempfile
+
+    layout = hook_q_layout([tuple(s) for s in shapes], rank, min_rate)
+    q_buf = np.zeros(sum(m * r for _, m, r in layout.values()), np.float32)
+    for i, q in zip(sorted(layout), q0):
+        off, m, r = layout[i]
+        q_buf[off : off + m * r] = np.asarray(q, np.float32).reshape(-1)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    if "GLOO_SOCKET_IFNAME" not in env and "lo" in _interfaces():
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    with tempfile.TemporaryDirectory() as d:
+        spec = dict(
+            shapes=[list(s) for s in shapes],
+            world=world,
+            steps=steps,
+            rank=rank,
+            start_iter=start_iter,
+            min_rate=min_rate,
+            seed=seed,
+            grads_of=list(range(world)),
+            port=_free_port(),
+            q_path=os.path.join(d, "q.npy"),
+            dir=d,
+            all_outputs=all_outputs,
+        )
+        np.save(spec["q_path"], q_buf)
+        spec_path = os.path.join(d, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        cmd = [sys.executable, "-m", "experiments.torch_peers", f"--hook_group={spec_path}"]
+        procs = [subprocess.Popen(cmd + [f"--rank={i}"], cwd=root, env=env) for i in range(world)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p in procs:
+                code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if code:
+                    raise RuntimeError(f"torch hook rank exited with {code}: {cmd}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        ranks = [dict(np.load(os.path.join(d, f"rank{i}.npz"))) for i in range(world)]
+    out = dict(
+        outputs=ranks[0]["outputs"],
+        residual=np.stack([r["residual"] for r in ranks]),
+        q=ranks[0]["q"],
+        q_per_rank=np.stack([r["q"] for r in ranks]),
+        bytes=ranks[0]["bytes"],
+        calls=ranks[0]["calls"],
+        layout=layout,
+    )
+    if all_outputs:
+        out["outputs_per_rank"] = np.stack([r["outputs"] for r in ranks])
+    return out
+
+
+def _interfaces() -> set[str]:
+    import socket
+
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return set()
+
+
+_GROUP_STEPS: dict = {}
+
+
+def jaxcomm_powersgd_group(
+    shapes,
+    *,
+    world: int = 2,
+    steps: int = 5,
+    rank: int = 2,
+    start_iter: int = 2,
+    min_rate: float = 2.0,
+    seed: int = 0,
+    grads_of=None,
+    q_override=None,
+    error_feedback: bool = True,
+) -> dict:
+    """``jaxcomm.powersgd(matrix_view="first")`` under ``jax.shard_map`` over ``world`` devices.
+
+    Worker ``w`` gets :func:`worker_grads` of worker ``grads_of[w]`` (default
+    its own) at every step; the initial Q is drawn from ``seed`` as
+    :func:`initial_q` draws it (``q_override`` replaces it, tests only).
+    Returns ``outputs`` (steps, total) of worker 0, ``outputs_spread`` (max
+    |worker − worker 0| over all steps and workers), ``residual`` (world,
+    total), ``q`` (worker 0's, one ``(b, r)`` per compressed tensor),
+    ``q_spread`` and ``wire_bytes`` (``jaxcomm.wire_bytes`` of the steady
+    PowerSGD step).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomm
+
+    if jax.device_count() < world:
+        raise ValueError(f"needs {world} devices, has {jax.device_count()}")
+    grads_of = list(range(world)) if grads_of is None else list(grads_of)
+    names = [f"t{i:03d}" for i in range(len(shapes))]
+
+    def make(start):
+        return jaxcomm.powersgd(
+            rank,
+            key=jax.random.key(seed),
+            axis_name="data",
+            start_iter=start,
+            min_compression_rate=min_rate,
+            error_feedback=error_feedback,
+            matrix_view="first",
+        )
+
+    tx = make(start_iter)
+    tree = {k: jnp.zeros(s, jnp.float32) for k, s in zip(names, shapes)}
+    state = tx.init(tree)
+    if q_override is not None:
+        state = state._replace(q=tuple(jnp.asarray(q) for q in q_override))
+    mesh = Mesh(np.array(jax.devices()[:world]), ("data",))
+    sh = NamedSharding(mesh, P("data"))
+    state = jax.device_put(
+        jax.tree.map(lambda a: jnp.broadcast_to(a, (world,) + a.shape), state), sh
+    )
+    # one compiled step per program (grads and the initial Q are data: reused across calls)
+    prog = (tuple(map(tuple, shapes)), world, rank, start_iter, min_rate, seed, error_feedback)
+    if prog not in _GROUP_STEPS:
+
+        def step(g, s):
+            g, s = jax.tree.map(lambda a: a[0], (g, s))
+            u, s = tx.update(g, s)
+            return jax.tree.map(lambda a: a[None], (u, s))
+
+        _GROUP_STEPS[prog] = jax.jit(
+            jax.shard_map(step, mesh=mesh, in_specs=(P("data"),) * 2, out_specs=P("data"))
+        )
+    fn = _GROUP_STEPS[prog]
+    outputs, spread = [], 0.0
+    for t in range(steps):
+        per = [worker_grads(shapes, t, w, seed) for w in grads_of]
+        g = {k: jax.device_put(np.stack([p[i] for p in per]), sh) for i, k in enumerate(names)}
+        upd, state = fn(g, state)
+        flat = np.concatenate([np.asarray(upd[k]).reshape(world, -1) for k in names], axis=1)
+        spread = max(spread, float(np.abs(flat - flat[:1]).max()))
+        outputs.append(flat[0])
+    if error_feedback:
+        residual = np.concatenate(
+            [np.asarray(state.residual[k]).reshape(world, -1) for k in names], axis=1
+        )
+    else:
+        residual = np.zeros((world, sum(int(np.prod(s)) for s in shapes)), np.float32)
+    qs = [np.asarray(q) for q in state.q]
+    return dict(
+        outputs=np.stack(outputs),
+        outputs_spread=spread,
+        residual=residual,
+        q=[q[0] for q in qs],
+        q_spread=max(float(np.abs(q - q[:1]).max()) for q in qs),
+        wire_bytes=jaxcomm.wire_bytes(make(0), tree, world),
+    )
+
+
+def compare_powersgd_group(t: dict, j: dict) -> dict:
+    """Max |torch − jaxcomm| of :func:`torch_powersgd_group` and :func:`jaxcomm_powersgd_group`.
+
+    Outputs per step and Q compare directly. Residuals: torch's hook keeps
+    ``M_w − P̂ Q̄ᵀ`` on compressed tensors and ``M_w − mean_w M_w`` on the
+    others, jaxcomm ``M_w − P̂ Q_wᵀ`` and 0 (its docstring): the same mean
+    over workers (the only thing the next step's output depends on), not the
+    same per worker. ``residual_mean_max_abs_diff`` compares the worker mean;
+    ``residual_per_worker_max_abs_diff`` shows how far the two conventions
+    are apart per worker.
+    """
+    layout = t["layout"]
+    q_diff = max(
+        float(np.abs(t["q"][off : off + m * r] - q.reshape(-1)).max())
+        for (off, m, r), q in zip((layout[i] for i in sorted(layout)), j["q"])
+    )
+    out = np.abs(t["outputs"] - j["outputs"]).max(axis=1)
+    return dict(
+        output_max_abs_diff=[float(x) for x in out],
+        output_scale=float(np.abs(j["outputs"]).max()),
+        q_max_abs_diff=q_diff,
+        residual_mean_max_abs_diff=float(
+            np.abs(t["residual"].mean(0) - j["residual"].mean(0)).max()
+        ),
+        residual_per_worker_max_abs_diff=float(np.abs(t["residual"] - j["residual"]).max()),
+        residual_scale=float(np.abs(j["residual"]).max()),
+        torch_bytes_per_step=[int(b) for b in t["bytes"]],
+        torch_all_reduce_calls_per_step=[int(c) for c in t["calls"]],
+        jaxcomm_wire_bytes=int(j["wire_bytes"]),
+        jaxcomm_outputs_spread_over_workers=j["outputs_spread"],
+        jaxcomm_q_spread_over_workers=j["q_spread"],
+    )
+
+
 # --- the DDP worker ---------------------------------------------------------------------
 
 
@@ -498,9 +807,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", required=True, help="rank 0 writes its JSON here")
+    ap.add_argument("--out", default=None, help="rank 0 writes its JSON here")
     ap.add_argument("--collectives", type=int, default=0, help="time bare all-reduces of d")
+    ap.add_argument("--hook_group", default=None, help="internal: torch_powersgd_group's spec")
+    ap.add_argument("--rank", type=int, default=0, help="internal: rank for --hook_group")
     a = ap.parse_args()
+    if a.hook_group:
+        hook_group_worker(a.hook_group, a.rank)
+        return
+    if not a.out:
+        ap.error("--out is required")
     if a.collectives:
         rank, out = time_collectives(a.collectives, a.reps)
     else:

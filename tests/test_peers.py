@@ -96,3 +96,61 @@ def test_powersgd_another_q_disagrees(gloo_group):
     other = [rng.normal(size=(m, r)).astype(np.float32) for _, (_, m, r) in sorted(layout.items())]
     r = tp.powersgd_side_by_side(grads, rank=2, start_iter=2, min_rate=2.0, q_override=other)
     assert max(r["output_max_abs_diff"]) > 1e-2 * r["output_scale"]
+
+
+# --- world size 2: torch's hook in a real 2-process gloo group, jaxcomm over 2 devices ----
+
+_GROUP = dict(world=2, steps=5, rank=2, start_iter=2, min_rate=2.0, seed=0)
+
+
+@pytest.fixture(scope="module")
+def torch_group():
+    """torch's powerSGD_hook on 2 gloo processes (loopback), each with its own gradients."""
+    q0 = tp.initial_q(_SHAPES, rank=_GROUP["rank"], min_rate=_GROUP["min_rate"])
+    return tp.torch_powersgd_group(_SHAPES, q0, **_GROUP), q0
+
+
+def _tol(c):
+    return 1e-5 * c["output_scale"]
+
+
+def test_powersgd_world2_equals_torch_hook(torch_group):
+    t, _ = torch_group
+    grads = [tp.worker_grads(_SHAPES, 0, w) for w in range(2)]
+    assert min(np.abs(a - b).max() for a, b in zip(*grads)) > 0.1  # the workers differ
+    c = tp.compare_powersgd_group(t, tp.jaxcomm_powersgd_group(_SHAPES, **_GROUP))
+    tol = _tol(c)
+    # 2 dense steps (torch's hook needs start_powerSGD_iter >= 2 with error feedback or warm
+    # start), then 3 PowerSGD steps (warm start, error feedback)
+    assert c["output_max_abs_diff"][:2] == [0.0, 0.0], c
+    assert max(c["output_max_abs_diff"]) < tol, c
+    assert c["q_max_abs_diff"] < tol, c
+    # torch keeps M_w - P̂ Q̄ᵀ (and M_w - mean M on dense tensors), jaxcomm M_w - P̂ Q_wᵀ:
+    # the same mean over workers, which is all the next step's output depends on
+    assert c["residual_mean_max_abs_diff"] < tol, c
+    assert c["jaxcomm_outputs_spread_over_workers"] == 0.0
+    assert c["jaxcomm_q_spread_over_workers"] == 0.0
+    # bytes handed to dist.all_reduce: the dense step, then P + Q + the dense tensors
+    dense = 4 * sum(int(np.prod(s)) for s in _SHAPES)
+    assert c["torch_bytes_per_step"] == [dense] * 2 + [c["jaxcomm_wire_bytes"]] * 3, c
+    assert c["torch_all_reduce_calls_per_step"] == [1, 1, 3, 3, 3], c
+
+
+@pytest.mark.parametrize("breakage", ["same_grads", "no_error_feedback", "perturbed_q"])
+def test_powersgd_world2_breakage_disagrees(torch_group, breakage):
+    """The check can fail: jaxcomm sees worker 0's gradients on both workers, drops error
+    feedback, or starts from a Q turned away from torch's (a rescaled Q would not do:
+    orthogonalisation removes the scale)."""
+    t, q0 = torch_group
+    kw = {
+        "same_grads": dict(grads_of=[0, 0]),
+        "no_error_feedback": dict(error_feedback=False),
+        "perturbed_q": dict(
+            q_override=[
+                q + 0.1 * np.random.default_rng(7).normal(size=q.shape).astype(np.float32)
+                for q in q0
+            ]
+        ),
+    }[breakage]
+    c = tp.compare_powersgd_group(t, tp.jaxcomm_powersgd_group(_SHAPES, **_GROUP, **kw))
+    assert max(c["output_max_abs_diff"]) > 100 * _tol(c), c
