@@ -98,11 +98,19 @@ def test_after_warmup_moves_under_a_25th_of_dense_adam_bytes():
     assert sum(c.nbytes for c in hlo) == jaxcomm.wire_bytes(compressed, params, N)
 
 
-def test_reaches_dense_adams_accuracy_on_digits(digits_split):
+DIGITS_STEPS, DIGITS_LR = 300, 3e-3
+
+
+@pytest.fixture(scope="module")
+def adam_accuracy(digits_split):
+    """Dense Adam's test accuracy on the digits MLP (the bar for both optimizers)."""
+    dense = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.adam(DIGITS_LR, eps=1e-8))
+    return digits.train(dense, steps=DIGITS_STEPS, model="mlp", split=digits_split).accuracy
+
+
+def test_reaches_dense_adams_accuracy_on_digits(digits_split, adam_accuracy):
     """Within 1 point of dense Adam (same lr, same steps); warm-up 15% of the steps."""
-    steps, lr = 300, 3e-3
-    dense = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.adam(lr, eps=1e-8))
-    ref = digits.train(dense, steps=steps, model="mlp", split=digits_split).accuracy
+    steps, lr, ref = DIGITS_STEPS, DIGITS_LR, adam_accuracy
     tx = jaxcomm.onebit_adam(lr, warmup_steps=45, axis_name="data")
     acc = digits.train(tx, steps=steps, model="mlp", split=digits_split).accuracy
     assert acc >= ref - 0.01, (acc, ref)
@@ -266,3 +274,96 @@ def test_zero_one_adam_matches_numpy_over_every_phase():
         np.testing.assert_allclose(
             np.asarray(params[k]), np.asarray(params[k])[:1].repeat(N, 0), atol=1e-6
         )
+
+
+def test_zero_one_adam_moves_under_a_25th_of_dense_adam_bytes():
+    """Per communicating step after freezing (a sync), also in the compiled program."""
+    params = {"w": jnp.zeros((256, 256)), "b": jnp.zeros((256,))}
+    dense = jaxcomm.wire_bytes(
+        optax.chain(jaxcomm.allreduce(axis_name=H.AXIS), optax.adam(1e-3)), params, N
+    )
+    frozen = jaxcomm.zero_one_adam(1e-3, var_freeze_step=0, axis_name=H.AXIS)
+    full = jaxcomm.zero_one_adam(1e-3, var_freeze_step=10, axis_name=H.AXIS)
+    sync = jaxcomm.wire_bytes(frozen, params, N)
+    assert sync <= dense / 25, (sync, dense)
+    # the whole program: the variance steps' dense all-reduce plus two 1-bit exchanges
+    # (gradients before freezing, accumulated updates after)
+    pmean = jaxcomm.wire_bytes(jaxcomm.allreduce(axis_name=H.AXIS), params, N)
+    assert jaxcomm.wire_bytes(full, params, N) == pmean + 2 * sync
+    # and the compiled program (all three exchanges) moves exactly that
+    g = H.per_worker_grads(params, seed=0)
+    step = jax.pmap(full.update, axis_name=H.AXIS)
+    compiled = step.lower(g, H.stack(full.init(params))).compile()
+    hlo = jaxcomm.accounting.hlo_collectives(compiled, n_devices=N)
+    assert sum(c.nbytes for c in hlo) == pmean + 2 * sync
+
+
+def test_zero_one_adam_nan_on_one_worker():
+    """A NaN on worker 5 on a variance step, a 1-bit step and a sync: every worker keeps
+    its state and gets a non-finite update; on a local step only worker 5 does."""
+    zo = dict(var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, local_step_clipper=2)
+    kinds = np_zero_one_schedule(6, *zo.values())
+    assert kinds == "vvosls"  # step 4 (the first frozen one) also clears the residuals
+    tx = jaxcomm.zero_one_adam(LR, **zo, axis_name=H.AXIS, min_size=64)
+    step = jax.pmap(tx.update, axis_name=H.AXIS)
+    state = H.stack(tx.init(PARAMS))
+    kept = lambda s: jax.tree.leaves((s.mu, s.nu, s.u, s.comm.residual, s.comm.server))  # noqa: E731
+    for t, kind in enumerate(kinds):
+        g = H.per_worker_grads(PARAMS, seed=t)
+        if t > 0 and t != 3:
+            w = np.asarray(g["w"]).copy()
+            w[5, 0, 0] = np.nan
+            out, new = step({**g, "w": jnp.asarray(w)}, state)
+            finite = np.isfinite(np.asarray(out["w"])).reshape(N, -1).all(1)
+            bad = [5] if kind == "l" else list(range(N))
+            np.testing.assert_array_equal(~finite, np.isin(np.arange(N), bad), err_msg=kind)
+            np.testing.assert_array_equal(np.asarray(new.nonfinite), ~finite)
+            for a, b in zip(kept(new), kept(state)):
+                np.testing.assert_array_equal(np.asarray(a)[bad], np.asarray(b)[bad], err_msg=kind)
+            if kind == "l":  # the others stepped; Λ (a sum of the schedule) advances everywhere
+                assert not np.allclose(np.asarray(new.mu["w"])[0], np.asarray(state.mu["w"])[0])
+                np.testing.assert_allclose(np.asarray(new.lrs), np.asarray(state.lrs) + LR)
+            else:
+                np.testing.assert_array_equal(np.asarray(new.lrs), np.asarray(state.lrs))
+            np.testing.assert_array_equal(np.asarray(new.count), t + 1)
+        out, state = step(g, state)  # the clean step, to go on
+        assert np.all(np.isfinite(np.asarray(out["w"])))
+
+
+def test_zero_one_adam_bad_arguments():
+    for name, bad in [
+        ("var_freeze_step", -1),
+        ("var_update_scaler", 0),
+        ("local_step_scaler", 0),
+        ("local_step_clipper", 0),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            jaxcomm.zero_one_adam(1e-3, **{name: bad})
+    with pytest.raises(TypeError, match="local_step_clipper"):
+        jaxcomm.zero_one_adam(1e-3, local_step_clipper=2.5)
+    with pytest.raises(ValueError, match="b1"):
+        jaxcomm.zero_one_adam(1e-3, b1=-0.1)
+    with pytest.raises(ValueError, match="eps"):
+        jaxcomm.zero_one_adam(1e-3, eps=0.0)
+    with pytest.raises(ValueError, match="weight_decay"):
+        jaxcomm.zero_one_adam(1e-3, weight_decay=-1.0)
+    with pytest.raises(ValueError, match="exchange"):
+        jaxcomm.zero_one_adam(1e-3, exchange="ring")
+    tx = jaxcomm.zero_one_adam(1e-3, weight_decay=0.1)
+    with pytest.raises(ValueError, match="params"):
+        tx.update(PARAMS, tx.init(PARAMS))
+    with pytest.raises(TypeError, match="ZeroOneAdamState"):
+        tx.update(PARAMS, optax.adam(1e-3).init(PARAMS), PARAMS)
+
+
+def test_zero_one_adam_reaches_dense_adams_accuracy_on_digits(digits_split, adam_accuracy):
+    """Within 1 point of dense Adam (same lr, same steps): variance frozen after 15% of the
+    steps, the local interval doubling every 10% of them up to 16."""
+    zo = dict(var_freeze_step=45, var_update_scaler=16, local_step_scaler=30, local_step_clipper=16)
+    tx = jaxcomm.zero_one_adam(DIGITS_LR, **zo, axis_name="data")
+    res = digits.train(tx, steps=DIGITS_STEPS, model="mlp", split=digits_split)
+    assert res.accuracy >= adam_accuracy - 0.01, (res.accuracy, adam_accuracy)
+    # the run followed the schedule: one compressed exchange per 1-bit step and per sync
+    kinds = np_zero_one_schedule(DIGITS_STEPS, *zo.values())
+    want = kinds.count("o") + kinds.count("s")
+    np.testing.assert_array_equal(np.asarray(res.opt_state.comm.count), want)
