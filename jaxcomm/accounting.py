@@ -48,7 +48,9 @@ __all__ = [
     "Collective",
     "collective_bytes",
     "collective_count",
+    "exchange_traffic",
     "hlo_collectives",
+    "payload_bytes",
     "traffic_bytes",
     "wire_bytes",
     "wire_count",
@@ -91,7 +93,8 @@ def wire_report(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
     with exchange.recording(n_workers) as ledger:
-        state = jax.eval_shape(tx.init, abstract)
+        # a fresh function: jax caches traces by function, and init may depend on n
+        state = jax.eval_shape(lambda p: tx.init(p), abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)
     found: set[int] = set()
     _find_markers(closed.jaxpr, found)
@@ -182,6 +185,65 @@ def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:
         "all_to_all": (n - 1) / n,
     }
     return sum(factor[c.kind] * c.nbytes for c in collectives)
+
+
+def payload_bytes(compressor: Any, d: int, dtype: Any) -> int:
+    """Bytes of the payload ``compressor`` encodes a ``(d,)`` vector of ``dtype`` into.
+
+    The sizes of the arrays :meth:`jaxcomm.Compressor.encode` returns (traced
+    abstractly, nothing computed): per-bucket scales and word padding
+    included, exactly what the all-gather buckets carry.
+    """
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32) if compressor.needs_key else None
+    out = jax.eval_shape(
+        lambda x, k: tuple(compressor.encode(x, k)[0]), jax.ShapeDtypeStruct((d,), dtype), key
+    )
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in out)
+
+
+def exchange_traffic(
+    compressor: Any, vectors: list[tuple[int, Any]], n_workers: int
+) -> dict[str, float]:
+    """Bytes one worker sends for the payloads of ``vectors``: all-gather vs two-phase.
+
+    The choice behind ``exchange="auto"`` (:func:`jaxcomm.exchange.choose_exchange`).
+    With ``s(d)`` = :func:`payload_bytes` and :func:`traffic_bytes`'s
+    formulas: the all-gather of ``s(d)`` costs ``(n-1)·s(d)``; the two-phase
+    exchange an all-to-all of n chunk payloads ``n·s(c)``, ``c = ceil(d/n)``,
+    plus an all-gather of one, ``2(n-1)·s(c)`` in all. Summed over the
+    vectors. Only the payloads: dense leaves, the NaN flag (1 byte in an
+    all-gather either way) and a key agreement are the same on both paths.
+
+    Args:
+      compressor: a :class:`jaxcomm.Compressor` with ``kind="all_gather"``.
+      vectors: ``(d, dtype)`` per vector compressed on its own (one per
+        compressible leaf, or one for ``scope="global"``).
+      n_workers: workers on the axis, >= 1.
+
+    Returns:
+      ``{"gather": bytes, "two_phase": bytes}``.
+
+    Example:
+      >>> comp = jaxcomm.compressors.quantize.Int8(512, False)
+      >>> jaxcomm.accounting.exchange_traffic(comp, [(2**20, jnp.float32)], 8)
+      {'gather': 7397376, 'two_phase': 1849344.0}
+    """
+    n = n_workers
+    sizes: dict[tuple[int, str], int] = {}
+
+    def s(d, dtype):
+        k = (d, jnp.dtype(dtype).name)
+        if k not in sizes:
+            sizes[k] = payload_bytes(compressor, d, dtype)
+        return sizes[k]
+
+    gather, two = [], []
+    for d, dtype in vectors:
+        sd, sc = s(d, dtype), s(-(-d // n), dtype)
+        gather.append(Collective("all_gather", None, sd, "uint8", (sd,)))
+        two.append(Collective("all_to_all", None, n * sc, "uint8", (n, sc)))
+        two.append(Collective("all_gather", None, sc, "uint8", (sc,)))
+    return {"gather": traffic_bytes(gather, n), "two_phase": traffic_bytes(two, n)}
 
 
 # --- compiled HLO -------------------------------------------------------------

@@ -84,6 +84,10 @@ class Compressor(Protocol):
     #   all_finite(p, payload, aux) -> bool scalar: no NaN/Inf in p. The default
     #     reads all of p; top-k and threshold read only what they selected,
     #     which always includes a non-finite entry if there is one.
+    #   auto_two_phase: True when exchange="auto" may pick the two-phase
+    #     exchange for this (all-gathered) codec where it moves fewer bytes:
+    #     the quantisers and the uint16 cast, whose chunk means re-compress
+    #     like the chunks. False (default): "auto" is the all-gather.
 
 
 class CompressorBase:
@@ -92,6 +96,7 @@ class CompressorBase:
     kind: str = "all_gather"
     needs_key: bool = False
     per_worker_key: bool = True
+    auto_two_phase: bool = False
 
     def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         own = payload if self.kind == "psum" else tuple(x[None] for x in payload)
@@ -117,10 +122,16 @@ class CompressState(NamedTuple):
       nonfinite: int32 ``[]``, number of steps in which some worker's gradient
         (``g + e``) held NaN or Inf; on those steps the residual was left
         unchanged and the update was NaN on every worker.
-      server: with ``exchange="two_phase"``/``"auto"`` and error feedback, the
-        two-phase exchange's server residual (the params' tree and shapes, in
-        the residual's dtype; each worker uses the chunk it averages: see
-        :func:`jaxcomm.exchange.two_phase`); ``None`` otherwise.
+      server: with error feedback over an axis, where the two-phase exchange
+        can run, its server residual (the params' tree and shapes, in the
+        residual's dtype; each worker uses the chunk it averages: see
+        :func:`jaxcomm.exchange.two_phase`); ``None`` otherwise. With
+        ``exchange="two_phase"`` always; with ``"auto"`` exactly when it picks
+        two-phase for the axis size, if ``init`` sees the axis (called under
+        ``shard_map``/``pmap``, or by :func:`jaxcomm.wire_bytes`); an ``init``
+        outside the axis cannot know n and allocates it when ``"auto"`` picks
+        two-phase on some axis size for this tree (a gather step then keeps
+        it as it is, zeros).
     """
 
     count: jax.Array
@@ -375,7 +386,7 @@ def compress(
     scope: str = "leaf",
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """The generic compressed exchange: EF memory, encode, exchange, decode.
 
@@ -417,8 +428,15 @@ def compress(
         re-compressed with a server residual (error feedback on both sides)
         and all-gathered, ``2(n-1)/n·s`` per worker
         (:func:`jaxcomm.exchange.two_phase`; with error feedback the state
-        holds a second residual, ``state.server``). ``"auto"``: two-phase
-        where it moves fewer bytes, i.e. on more than 2 workers.
+        holds a second residual, ``state.server``). ``"auto"`` (default):
+        decided when the update is traced and the axis size n is known, the
+        one that moves fewer bytes per worker for this codec, tree and n
+        (:func:`jaxcomm.exchange.choose_exchange`,
+        :func:`jaxcomm.accounting.exchange_traffic`); ``"gather"`` on a tie
+        (every n <= 2) and for codecs without ``auto_two_phase`` (sparse
+        ones), the one all-reduce for summed payloads. Two-phase encodes and
+        decodes twice: where compute, not the link, bounds the step (a fast
+        link, workers sharing cores) force ``"gather"``.
         ``"reduce_scatter"``: phase one only, for sharded (ZeRO/FSDP-style)
         training: the update of a leaf is this worker's shard of the worker
         mean along the leaf's first dimension (which must be a multiple of
@@ -461,16 +479,27 @@ def compress(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = check_state_dtype(state_dtype)
     mode = _xc.check_exchange(exchange, compressor.kind)
-    if mode != "gather" and getattr(compressor, "agrees", False):
+    if mode not in ("gather", "auto") and getattr(compressor, "agrees", False):
         raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
     if mode == "reduce_scatter" and scope != "leaf":
         raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")
     raw_key = _raw_key(key) if compressor.needs_key else None
     state_cls = state_class(compressor)
 
+    def vector_specs(leaves):  # (d, dtype) of each vector compressed on its own
+        big = [x for x in leaves if np.size(x) >= max(min_size, 1)]
+        if scope == "global" and big:
+            return [(sum(int(np.size(x)) for x in big), jnp.result_type(*big))]
+        return [(int(np.size(x)), jnp.result_type(x)) for x in big]
+
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
         _check_leaves(leaves, "params")
+        server = error_feedback and axis_name is not None and mode in ("two_phase", "auto")
+        if server and mode == "auto":  # n where init sees the axis, else "on some n"
+            n = _xc.bound_axis_size(axis_name)
+            specs = vector_specs([x for _, x in leaves])
+            server = _xc.choose_exchange(mode, compressor, specs, n) == "two_phase"
         residual = (
             jax.tree.map(
                 lambda p: jnp.zeros(
@@ -486,7 +515,7 @@ def compress(
             key=raw_key,
             residual=residual,
             nonfinite=jnp.zeros((), jnp.int32),
-            server=residual if mode in ("two_phase", "auto") else None,
+            server=residual if server else None,
         )
 
     def update_fn(updates, state, params=None):
@@ -558,7 +587,22 @@ def compress(
                 compressor, state, state_cls, treedef, with_path, groups, vecs, keys, ps,
                 ps_state, residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
             )  # fmt: skip
-        two = axis_name is not None and _xc.use_two_phase(mode, _xc.axis_size(axis_name))
+        two = (
+            axis_name is not None
+            and _xc.choose_exchange(
+                mode, compressor, [(v.shape[0], v.dtype) for v in vecs], _xc.axis_size(axis_name)
+            )
+            == "two_phase"
+        )
+        if two and error_feedback and state.server is None:
+            raise ValueError(
+                f"state.server is None, but exchange={mode!r} runs the two-phase exchange on "
+                f"{_xc.axis_size(axis_name)} workers for these updates and needs its server "
+                "residual: the state was made by init on an axis size where 'auto' picks "
+                "'gather' (or saved by a transform with exchange='gather'). Make the state with "
+                "tx.init(params) outside shard_map, or build the transform with "
+                "exchange='gather' to keep using this state."
+            )
         if two:
             ok = (
                 jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
@@ -660,7 +704,7 @@ def compress(
             key=new_key,
             residual=treedef.unflatten(new_res) if error_feedback else None,
             nonfinite=nonfinite,
-            server=state.server,  # "auto" on 2 workers: kept for a larger axis
+            server=state.server,  # "auto" picked gather: kept as it is (init could not see n)
         )
         return treedef.unflatten(outputs), new_state
 

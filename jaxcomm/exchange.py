@@ -579,10 +579,14 @@ EXCHANGES = ("gather", "two_phase", "auto", "reduce_scatter")
 
 
 def check_exchange(value: Any, kind: str) -> str:
-    """Validate an ``exchange=`` option for a compressor of ``kind``."""
+    """Validate an ``exchange=`` option for a compressor of ``kind``.
+
+    ``"auto"`` is valid for every kind: for summed payloads (``kind="psum"``)
+    it is their one all-reduce, for all-gathered ones see :func:`choose_exchange`.
+    """
     if value not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {value!r}")
-    if value != "gather" and kind != "all_gather":
+    if value not in ("gather", "auto") and kind != "all_gather":
         raise ValueError(
             f"exchange: {value!r} is for compressors whose payloads are all-gathered; this "
             f"one's payloads are summed (kind={kind!r}), already a single all-reduce"
@@ -590,15 +594,63 @@ def check_exchange(value: Any, kind: str) -> str:
     return value
 
 
-def use_two_phase(mode: str, n: int) -> bool:
-    """Whether ``mode`` runs the two-phase exchange on ``n`` workers.
+def bound_axis_size(axis_name: AxisName) -> int | None:
+    """Workers on ``axis_name`` where it is bound (or recorded), else ``None``."""
+    ledger = _ledger()
+    if ledger is not None:
+        return ledger.size(axis_name)
+    try:
+        return lax.axis_size(axis_name)
+    except NameError:
+        return None
 
-    ``"auto"``: when it moves fewer bytes per worker than the all-gather: each
-    worker sends ``2(n-1)/n·s`` instead of receiving ``(n-1)·s``, fewer for
-    every n > 2 (equal at n = 2, where the all-gather avoids the second
-    compression's error).
+
+def choose_exchange(
+    mode: str, compressor: Any, vectors: list[tuple[int, Any]], n: int | None
+) -> str:
+    """The exchange ``mode`` runs for ``compressor``'s payloads of ``vectors`` on ``n`` workers.
+
+    ``"auto"`` picks, for all-gathered payloads, the exchange that moves fewer
+    bytes per worker (:func:`jaxcomm.accounting.exchange_traffic`): each
+    worker receives ``(n-1)·s(d)`` in the all-gather, and sends
+    ``2(n-1)·s(ceil(d/n))`` in the two-phase exchange (an all-to-all of its n
+    compressed chunks, an all-gather of one compressed chunk mean), summed
+    over the vectors, with ``s`` the codec's payload bytes (per-chunk scales
+    and word padding included). On a tie, ``"gather"``: one compression, no
+    server residual. That is every n <= 2 for every codec, and a tree of
+    small leaves where the chunks' scales and padding outweigh the saving.
+    Only codecs that set ``auto_two_phase`` (the quantisers and the uint16
+    cast) are considered: two-phase changes what a sparse codec selects, so
+    it stays an explicit choice there. Summed payloads (``kind="psum"``)
+    always take their one all-reduce (``"gather"``, the usual path).
+
+    Args:
+      mode: a checked ``exchange=`` option.
+      compressor: the transform's :class:`jaxcomm.Compressor`.
+      vectors: ``(d, dtype)`` of each vector compressed on its own.
+      n: workers on the axis; ``None`` (axis size not known, e.g. in ``init``
+        outside ``shard_map``): whether ``"auto"`` picks two-phase on some
+        axis size. Payload bytes grow with the chunk, so the smallest
+        two-phase figure is at chunks of one entry; two-phase, once chosen
+        at some n, is chosen at every larger n.
+
+    Returns:
+      ``"gather"``, ``"two_phase"`` or ``"reduce_scatter"``.
     """
-    return mode == "two_phase" or (mode == "auto" and n > 2)
+    if mode != "auto":
+        return mode
+    if (
+        getattr(compressor, "kind", None) != "all_gather"
+        or not getattr(compressor, "auto_two_phase", False)
+        or not vectors
+    ):
+        return "gather"
+    from jaxcomm import accounting  # accounting imports this module
+
+    if n is None:
+        n = max(2, max(d for d, _ in vectors))  # every chunk a single entry
+    traffic = accounting.exchange_traffic(compressor, vectors, n)
+    return "two_phase" if traffic["two_phase"] < traffic["gather"] else "gather"
 
 
 def two_phase(

@@ -34,7 +34,9 @@ def test_allreduce_without_axis_is_identity():
     "dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16), (jnp.float16, np.float16)]
 )
 def test_cast_all_gather_rounds_each_worker_then_sums_in_fp32(dtype, np_dtype):
-    tx = jaxcomm.cast(dtype, axis_name="data", accumulate="all_gather", min_size=100)
+    tx = jaxcomm.cast(
+        dtype, axis_name="data", accumulate="all_gather", min_size=100, exchange="gather"
+    )  # each worker's rounding summed; "auto" re-rounds the chunk means (two-phase) on 8
     g = H.per_worker_grads(PARAMS, seed=1)
     out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
     w = np.asarray(g["w"])

@@ -86,7 +86,9 @@ def grads(d, seed=0, loc=0.3):
 
 def test_int8_nearest_matches_numpy_on_8_workers():
     b = 100  # does not divide 1500 or 1920
-    tx = jaxcomm.int8(stochastic=False, bucket_size=b, axis_name="data", min_size=MIN_SIZE)
+    tx = jaxcomm.int8(
+        stochastic=False, bucket_size=b, axis_name="data", min_size=MIN_SIZE, exchange="gather"
+    )  # the all-gather's rule; "auto" would go two-phase on 8 workers
     g = H.per_worker_grads(PARAMS, seed=1)
     out, state = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
     for k in ("w", "v"):
@@ -154,7 +156,13 @@ def test_qsgd_variance_within_paper_bound(s, flat):
 
 def test_qsgd_on_8_workers_each_worker_draws_its_own_noise():
     tx = jaxcomm.qsgd(
-        4, key=KEY, bucket_size=128, axis_name="data", error_feedback=True, min_size=MIN_SIZE
+        4,
+        key=KEY,
+        bucket_size=128,
+        axis_name="data",
+        error_feedback=True,
+        min_size=MIN_SIZE,
+        exchange="gather",  # the mean of the n decoded payloads
     )
     same = jax.tree.map(lambda x: jnp.broadcast_to(x[:1], x.shape), H.per_worker_grads(PARAMS))
     out, state = H.shard_map_update(tx, same, H.stack(tx.init(PARAMS)))
@@ -219,6 +227,7 @@ def test_terngrad_on_8_workers_scale_is_shared_and_mean_is_exact(share_scale):
         share_scale=share_scale,
         error_feedback=True,
         min_size=MIN_SIZE,
+        exchange="gather",  # the mean of the n decoded payloads (psum with share_scale)
     )
     g = H.per_worker_grads(PARAMS, seed=7)
     # one worker with a much larger gradient sets the shared scale
@@ -270,7 +279,9 @@ def test_terngrad_psum_fields_cannot_overflow(n):
 def test_wire_size_formula_equals_traced_bytes(comp, expected_1000):
     params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((33, 31)), "c": jnp.zeros((1,))}
     key = KEY if comp.needs_key else None
-    tx = jaxcomm.compress(comp, axis_name="x", key=key, error_feedback=False, min_size=0)
+    tx = jaxcomm.compress(
+        comp, axis_name="x", key=key, error_feedback=False, min_size=0, exchange="gather"
+    )  # wire_size is the payload of a whole leaf, what the all-gather carries
     expected = sum(comp.wire_size(int(x.size), x.dtype, n_workers=8) for x in params.values())
     expected += jaxcomm.core.nan_flag_bytes(comp)  # once per step, not per leaf
     assert jaxcomm.wire_bytes(tx, params, 8) == expected

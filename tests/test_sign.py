@@ -13,6 +13,9 @@ from tests import helpers as H
 
 PARAMS = {"w": jnp.zeros((48, 40)), "v": jnp.zeros((1500,)), "b": jnp.zeros((7,))}
 MIN_SIZE = 100  # "b" goes dense
+# The all-gather exchange, which the NumPy references below model (exchange="auto",
+# the default, goes two-phase on 8 workers: tests/test_two_phase.py).
+G = "gather"
 
 
 # --- references: one worker's (sent vector, residual) for flat p ---------------------------
@@ -44,25 +47,33 @@ def np_twobit_step(p, tau):
 @pytest.mark.parametrize(
     "make, step, kw",
     [
-        (lambda: jaxcomm.onebit(axis_name="data", min_size=MIN_SIZE), np_onebit_step, {}),
         (
-            lambda: jaxcomm.onebit(axis_name="data", bucket_size=40, min_size=MIN_SIZE),
+            lambda: jaxcomm.onebit(axis_name="data", min_size=MIN_SIZE, exchange=G),
+            np_onebit_step,
+            {},
+        ),
+        (
+            lambda: jaxcomm.onebit(axis_name="data", bucket_size=40, min_size=MIN_SIZE, exchange=G),
             np_onebit_step,
             {"bucket": 40},
         ),
         (
-            lambda: jaxcomm.onebit(axis_name="data", bucket_size=7, min_size=MIN_SIZE),
+            lambda: jaxcomm.onebit(axis_name="data", bucket_size=7, min_size=MIN_SIZE, exchange=G),
             np_onebit_step,
             {"bucket": 7},
         ),
-        (lambda: jaxcomm.ef_sign(axis_name="data", min_size=MIN_SIZE), np_ef_sign_step, {}),
         (
-            lambda: jaxcomm.twobit(0.5, axis_name="data", min_size=MIN_SIZE),
+            lambda: jaxcomm.ef_sign(axis_name="data", min_size=MIN_SIZE, exchange=G),
+            np_ef_sign_step,
+            {},
+        ),
+        (
+            lambda: jaxcomm.twobit(0.5, axis_name="data", min_size=MIN_SIZE, exchange=G),
             np_twobit_step,
             {"tau": 0.5},
         ),
         (
-            lambda: jaxcomm.twobit(0.3, axis_name="data", min_size=MIN_SIZE),
+            lambda: jaxcomm.twobit(0.3, axis_name="data", min_size=MIN_SIZE, exchange=G),
             np_twobit_step,
             {"tau": np.float64(np.float32(0.3))},
         ),
@@ -147,10 +158,10 @@ def test_majority_vote_local_is_plain_sign():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: jaxcomm.ef_sign(axis_name="data", min_size=0),
-        lambda: jaxcomm.onebit(axis_name="data", min_size=0),
-        lambda: jaxcomm.onebit(axis_name="data", bucket_size=50, min_size=0),
-        lambda: jaxcomm.twobit(0.5, axis_name="data", min_size=0),
+        lambda: jaxcomm.ef_sign(axis_name="data", min_size=0, exchange=G),
+        lambda: jaxcomm.onebit(axis_name="data", min_size=0, exchange=G),
+        lambda: jaxcomm.onebit(axis_name="data", bucket_size=50, min_size=0, exchange=G),
+        lambda: jaxcomm.twobit(0.5, axis_name="data", min_size=0, exchange=G),
     ],
     ids=["ef_sign", "onebit", "onebit-rows", "twobit"],
 )
@@ -162,7 +173,7 @@ def test_error_feedback_telescopes(make):
 def test_twobit_residual_invariant():
     """r += g; q = ±τ where |r| >= τ; r -= q. With |g| <= τ the residual stays in (−τ, τ)."""
     tau = 0.25
-    tx = jaxcomm.twobit(tau, axis_name="data", min_size=0)
+    tx = jaxcomm.twobit(tau, axis_name="data", min_size=0, exchange=G)
     params = {"v": jnp.zeros((1000,))}
     state = H.stack(tx.init(params))
     rng = np.random.default_rng(0)
@@ -193,7 +204,8 @@ def test_twobit_residual_invariant():
 )
 def test_wire_size_formula_equals_traced_bytes(comp, expected_1000):
     params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((33, 31)), "c": jnp.zeros((1,))}
-    tx = jaxcomm.compress(comp, axis_name="x", error_feedback=False, min_size=0)
+    # wire_size is the payload of a whole leaf, what the all-gather carries
+    tx = jaxcomm.compress(comp, axis_name="x", error_feedback=False, min_size=0, exchange=G)
     expected = sum(comp.wire_size(int(x.size), x.dtype, n_workers=8) for x in params.values())
     expected += jaxcomm.core.nan_flag_bytes(comp)  # once per step, not per leaf
     assert jaxcomm.wire_bytes(tx, params, 8) == expected
@@ -245,7 +257,7 @@ def test_all_gather_decode_any_worker_count(n):
     from jaxcomm.compressors import quantize
 
     assert (n > quantize.UNROLL) == (n == 20)
-    tx = jaxcomm.ef_sign(axis_name="data", min_size=0)
+    tx = jaxcomm.ef_sign(axis_name="data", min_size=0, exchange=G)
     params = {"w": jnp.zeros((300,))}
     g = H.per_worker_grads(params, seed=7, n=n)
     state = H.stack(tx.init(params), n)

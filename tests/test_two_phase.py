@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxcomm
+from jaxcomm.compressors import dense
 from tests import helpers as H
 
 N = H.N
@@ -122,6 +123,171 @@ def test_auto_gathers_on_two_workers_and_goes_two_phase_on_more():
     kinds = lambda n: {c.kind for c in jaxcomm.accounting.wire_report(tx, PARAMS, n)}  # noqa: E731
     assert "all_to_all" not in kinds(2)
     assert "all_to_all" in kinds(4) and "all_to_all" in kinds(8)
+
+
+# --- exchange="auto", the default: the exchange that moves fewer bytes ------------------
+
+
+def int8_bytes(x):  # int8 codes + one float32 scale per BUCKET entries
+    return x + 4 * math.ceil(x / BUCKET)
+
+
+def sign_bytes(x):  # one bit per entry in uint32 words + one float32 scale
+    return 4 * math.ceil(x / 32) + 4
+
+
+def qsgd16_bytes(x):  # sign + 5 level bits per entry in uint32 words + a norm per bucket
+    return 4 * math.ceil(6 * x / 32) + 4 * math.ceil(x / BUCKET)
+
+
+# Default transforms (no exchange=), with the payload bytes s(x) of x entries in closed form.
+DEFAULTS = {
+    "int8": (
+        lambda: jaxcomm.int8(
+            stochastic=False,
+            bucket_size=BUCKET,
+            axis_name=H.AXIS,
+            error_feedback=True,
+            min_size=MIN_SIZE,
+        ),
+        int8_bytes,
+    ),
+    "ef_sign": (lambda: jaxcomm.ef_sign(axis_name=H.AXIS, min_size=MIN_SIZE), sign_bytes),
+    "qsgd": (
+        lambda: jaxcomm.qsgd(
+            16,
+            key=jax.random.key(0),
+            bucket_size=BUCKET,
+            axis_name=H.AXIS,
+            error_feedback=True,
+            min_size=MIN_SIZE,
+        ),
+        qsgd16_bytes,
+    ),
+}
+SIZES = (PARAMS["w"].size, PARAMS["t"].size)  # compressed leaves; "b" (3 entries) is dense
+DENSE_AND_FLAG = 3 * 4 + 1  # "b" in float32 + the NaN rule's 1-byte flag
+
+
+def mesh_of(n):
+    return jax.make_mesh((n,), (H.AXIS,), devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_default_moves_the_two_phase_bytes_on_8_workers_analytic_equals_hlo(name):
+    make, s = DEFAULTS[name]
+    tx = make()
+    chunks = [-(-d // N) for d in SIZES]
+    # all-to-all of the n chunk payloads + all-gather of one chunk mean, per leaf
+    two = sum(N * s(c) + s(c) for c in chunks) + DENSE_AND_FLAG
+    gather = sum(s(d) for d in SIZES) + DENSE_AND_FLAG
+    # what a worker sends: 2(n-1)·s(c) against the (n-1)·s(d) it receives by all-gather
+    assert 2 * sum(s(c) for c in chunks) < sum(s(d) for d in SIZES)
+    assert jaxcomm.wire_bytes(tx, PARAMS, N) == two != gather
+    state = tx.init(PARAMS)  # outside the axis: n unknown, the server residual is there
+    assert state.server is not None
+    compiled = H.shard_map_compiled(tx, H.per_worker_grads(PARAMS, seed=1), H.stack(state))
+    assert jaxcomm.accounting.collective_bytes(compiled) == two
+    assert "all_to_all" in {c.kind for c in jaxcomm.accounting.hlo_collectives(compiled)}
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS))
+def test_default_gathers_on_two_workers(name):
+    make, s = DEFAULTS[name]
+    tx = make()
+    gather = sum(s(d) for d in SIZES) + DENSE_AND_FLAG
+    assert jaxcomm.wire_bytes(tx, PARAMS, 2) == gather
+    g = H.per_worker_grads(PARAMS, seed=1, n=2)
+    compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS), 2), m=mesh_of(2))
+    assert jaxcomm.accounting.collective_bytes(compiled) == gather
+    assert "all_to_all" not in {c.kind for c in jaxcomm.accounting.hlo_collectives(compiled)}
+    # init under the axis knows n: no server residual where two-phase does not run
+    state = jax.vmap(lambda p: tx.init(p), axis_name=H.AXIS)(H.stack(PARAMS, 2))
+    assert state.server is None
+    state8 = jax.vmap(lambda p: tx.init(p), axis_name=H.AXIS)(H.stack(PARAMS, N))
+    assert state8.server is not None
+
+
+def test_a_tie_is_the_gather():
+    """uint16 cast on even sizes and 2 workers: 2·s(d/2) = s(d), both exchanges move the same."""
+    tx = jaxcomm.cast(
+        jnp.bfloat16, axis_name=H.AXIS, accumulate="all_gather", min_size=4, error_feedback=True
+    )
+    params = {"w": jnp.zeros((32, 32)), "v": jnp.zeros((6,))}
+    comp = dense.Cast(jnp.bfloat16, "all_gather")
+    traffic = jaxcomm.accounting.exchange_traffic(comp, [(1024, jnp.float32), (6, jnp.float32)], 2)
+    assert traffic["gather"] == traffic["two_phase"] == 2 * (1024 + 6)
+    assert jaxcomm.wire_bytes(tx, params, 2) == 2 * (1024 + 6)  # no NaN flag: NaN rides along
+    kinds = lambda n: {c.kind for c in jaxcomm.accounting.wire_report(tx, params, n)}  # noqa: E731
+    assert "all_to_all" not in kinds(2) and "all_to_all" in kinds(3)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 1000])
+def test_auto_follows_the_bytes_not_the_worker_count(d):
+    """EF-sign: each chunk pays a float32 scale and a whole uint32 word, so on small leaves
+    two-phase moves more than the all-gather even on many workers (64 entries: never)."""
+    tx = jaxcomm.ef_sign(axis_name=H.AXIS, min_size=0)
+    params = {"w": jnp.zeros((d,))}
+    for n in (2, 3, 4, 8, 64):
+        fewer = 2 * sign_bytes(-(-d // n)) < sign_bytes(d)
+        report = jaxcomm.accounting.wire_report(tx, params, n)
+        assert ("all_to_all" in {c.kind for c in report}) == fewer, (d, n)
+        both = [
+            jaxcomm.accounting.traffic_bytes(
+                jaxcomm.accounting.wire_report(
+                    jaxcomm.ef_sign(axis_name=H.AXIS, min_size=0, exchange=m), params, n
+                ),
+                n,
+            )
+            for m in ("gather", "two_phase")
+        ]
+        assert jaxcomm.accounting.traffic_bytes(report, n) == min(both)
+    # init outside the axis: no server residual where two-phase is never fewer bytes
+    assert (tx.init(params).server is None) == (2 * sign_bytes(1) >= sign_bytes(d))
+
+
+def test_where_two_phase_is_never_fewer_bytes_the_default_gathers_on_8_workers():
+    """EF-sign on a 64-entry leaf: two-phase 2·s(8) = 16 B > s(64) = 12 B (and 2·s(1) > s(64))."""
+    tx = jaxcomm.ef_sign(axis_name=H.AXIS, min_size=0)
+    params = {"w": jnp.zeros((64,))}
+    assert 2 * sign_bytes(1) > sign_bytes(64)
+    state = tx.init(params)
+    assert state.server is None  # never two-phase for this tree: no server residual
+    want = sign_bytes(64) + 1  # the all-gather (+ the NaN flag)
+    assert jaxcomm.wire_bytes(tx, params, N) == want
+    compiled = H.shard_map_compiled(tx, H.per_worker_grads(params, seed=3), H.stack(state))
+    assert jaxcomm.accounting.collective_bytes(compiled) == want
+    assert {c.kind for c in jaxcomm.accounting.hlo_collectives(compiled)} == {"all_gather"}
+
+
+def test_a_state_without_the_server_residual_is_refused_where_two_phase_runs():
+    tx = tx_int8("auto")
+    g = H.per_worker_grads(PARAMS, seed=4)
+    for state in (
+        H.stack(tx_int8("gather").init(PARAMS)),  # e.g. a checkpoint of exchange="gather"
+        H.stack(  # made by init under a 2-worker axis, used on 8
+            jax.tree.map(
+                lambda x: x[0], jax.vmap(lambda p: tx.init(p), axis_name=H.AXIS)(H.stack(PARAMS, 2))
+            )
+        ),
+    ):
+        assert state.server is None
+        with pytest.raises(ValueError, match="state.server is None, but exchange='auto' runs"):
+            H.shard_map_update(tx, g, state)
+
+
+def test_auto_is_the_one_all_reduce_for_summed_payloads():
+    """cast's psum (fp16 widened to float32 on XLA:CPU) stays the path under "auto"."""
+    for dtype in (jnp.float16, jnp.bfloat16):
+        auto = jaxcomm.cast(dtype, axis_name=H.AXIS, min_size=4, error_feedback=True)
+        gather = jaxcomm.cast(
+            dtype, axis_name=H.AXIS, min_size=4, error_feedback=True, exchange="gather"
+        )
+        assert auto.init(PARAMS).server is None
+        assert jaxcomm.accounting.wire_report(auto, PARAMS, N) == (
+            jaxcomm.accounting.wire_report(gather, PARAMS, N)
+        )
+        assert {c.kind for c in jaxcomm.accounting.wire_report(auto, PARAMS, N)} == {"all_reduce"}
 
 
 def test_nan_on_one_worker_reaches_every_worker_and_state_stays():

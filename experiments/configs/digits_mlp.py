@@ -3,7 +3,9 @@ r"""MLP on scikit-learn's digits, 8 workers, top-k 1% + error feedback (default 
 Command:
   python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
 Variants (``:NAME`` after the file): dense, dense_leaf, bf16, topk (default), threshold, dgc,
-powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, local_sgd, diloco, accumulate, policy. E.g.
+powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, int8_auto, local_sgd, diloco, accumulate,
+policy. ef_sign, qsgd and int8 pin the all-gather exchange (their recorded results);
+int8_auto is jaxcomm's default (``exchange="auto"``: two-phase on more than 2 workers). E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
 
 Runtime here (2 CPU cores, 8 fake devices): about 10 s (400 steps, ~150 steps/s
@@ -27,14 +29,17 @@ VARIANTS: dict[str, dict] = {
     "threshold": {"compressor": ("threshold", {"ratio": 0.01, "min_size": 0})},
     "dgc": {"compressor": ("dgc_sgd", {"ratio": 0.01, "min_size": 0, "warmup_steps": 50})},
     "powersgd": {"compressor": ("powersgd", {"rank": 2})},
-    "ef_sign": {"compressor": ("ef_sign", {"min_size": 0})},
-    "qsgd": {"compressor": ("qsgd", {"levels": 16, "min_size": 0})},
+    # the all-gather exchange, as recorded in experiments/results (netstudy*.json)
+    "ef_sign": {"compressor": ("ef_sign", {"min_size": 0, "exchange": "gather"})},
+    "qsgd": {"compressor": ("qsgd", {"levels": 16, "min_size": 0, "exchange": "gather"})},
     # the two-phase exchange (README "Two-phase exchange") against the all-gather
     "ef_sign_2p": {"compressor": ("ef_sign", {"min_size": 0, "exchange": "two_phase"})},
-    "int8": {"compressor": ("int8", {"min_size": 0, "error_feedback": True})},
+    "int8": {"compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "gather"})},
     "int8_2p": {
         "compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "two_phase"})
     },
+    # jaxcomm's default exchange="auto": fewer bytes for the axis size (netstudy_default_exchange)
+    "int8_auto": {"compressor": ("int8", {"min_size": 0, "error_feedback": True})},
     "local_sgd": {"compressor": ("allreduce", {}), "wrapper": ("local_sgd", 8)},
     "diloco": {"compressor": ("allreduce", {}), "wrapper": ("diloco", 8)},
     "accumulate": {

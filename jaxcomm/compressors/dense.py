@@ -76,6 +76,9 @@ class Cast(core.CompressorBase):
     """
 
     carries_nonfinite = True  # NaN/Inf survive the cast and the sum: no NaN flag needed
+    # exchange="auto": two-phase (uint16 both ways) where fewer bytes, with
+    # accumulate="all_gather"; the psum stays the one all-reduce (widened on CPU)
+    auto_two_phase = True
 
     def __init__(self, dtype: Any, accumulate: str = "psum", axis_name: AxisName | None = None):
         self.dtype = jnp.dtype(dtype)
@@ -128,7 +131,7 @@ def cast(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
@@ -149,9 +152,16 @@ def cast(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        With ``accumulate="psum"`` (default) ``"auto"`` is that one
+        all-reduce, as ``"gather"`` (on XLA:CPU fp16 goes as fp16-rounded
+        values widened to float32, see :class:`Cast`; the others are
+        refused). With ``accumulate="all_gather"`` ``"auto"`` takes the one
+        that moves fewer bytes for the axis size: the uint16 all-gather on 2
+        workers, two-phase (uint16 words both ways, summed in float32) on
+        more; force ``"gather"`` where compute bounds the step.
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
 

@@ -101,6 +101,7 @@ class Int8(core.CompressorBase):
     """
 
     kind = "all_gather"
+    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
 
     def __init__(self, bucket_size: int, stochastic: bool):
         self.bucket_size = bucket_size
@@ -142,7 +143,7 @@ def int8(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """Int8 quantisation with one max-abs scale per bucket (1 byte per entry).
 
@@ -171,9 +172,15 @@ def int8(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -213,6 +220,7 @@ class QSGD(core.CompressorBase):
     """
 
     kind = "all_gather"
+    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
     needs_key = True
 
     def __init__(self, levels: int, bucket_size: int):
@@ -258,7 +266,7 @@ def qsgd(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """QSGD: unbiased stochastic quantisation to ``levels`` levels per bucket.
 
@@ -287,9 +295,15 @@ def qsgd(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -350,6 +364,7 @@ class TernGrad(core.CompressorBase):
         self.share_scale = share_scale
         self.axis_name = axis_name
         self.kind = "psum" if share_scale else "all_gather"
+        self.auto_two_phase = True  # with share_scale=False (all-gathered codes)
         # core.compress agrees every leaf's scale in one bucketed all-reduce
         self.agrees = share_scale
 
@@ -424,7 +439,7 @@ def terngrad(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """TernGrad: unbiased ternary gradients ``s·sign(g)·b``, ``b ~ Bernoulli(|g|/s)``.
 
@@ -460,9 +475,17 @@ def terngrad(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+        With ``share_scale`` the codes are summed: ``"auto"`` is that one
+        all-reduce (only ``"gather"``/``"auto"`` are accepted).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 

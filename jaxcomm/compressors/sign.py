@@ -51,6 +51,7 @@ class OneBit(core.CompressorBase):
     """
 
     kind = "all_gather"
+    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
 
     def __init__(self, bucket_size: int | None):
         self.bucket_size = bucket_size
@@ -93,7 +94,7 @@ def onebit(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """1-bit SGD: signs with two reconstruction values, error feedback on.
 
@@ -121,9 +122,15 @@ def onebit(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -154,6 +161,7 @@ class ScaledSign(core.CompressorBase):
     """``(‖p‖₁/d)·sign(p)``: sign bits + one float32 scale per leaf, all-gathered."""
 
     kind = "all_gather"
+    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
 
     def encode(self, p, key):
         x = p.astype(jnp.float32)
@@ -179,7 +187,7 @@ def ef_sign(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """EF-SignSGD: the scaled sign ``(‖p‖₁/d)·sign(p)`` with error feedback.
 
@@ -202,9 +210,15 @@ def ef_sign(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
@@ -334,6 +348,7 @@ class TwoBit(core.CompressorBase):
     """Codes 0 (zero), 1 (+τ), 2 (−τ), 16 per uint32 word, all-gathered."""
 
     kind = "all_gather"
+    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -368,7 +383,7 @@ def twobit(
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "gather",
+    exchange: str = "auto",
 ) -> optax.GradientTransformation:
     """MXNet's 2-bit gradient compression with a residual.
 
@@ -391,9 +406,15 @@ def twobit(
         collective per bucket of at most this many bytes, filled from the last
         leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-
-      exchange: ``"gather"`` (default), ``"two_phase"``, ``"auto"`` or
+      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
+        ``"auto"`` takes the one that moves fewer bytes for the axis size
+        (decided at trace time): the all-gather on 2 workers, two-phase
+        (``state.server`` with error feedback) on more, unless the leaves are
+        so small that the chunks' scales and padding outweigh the saving.
+        Force ``"gather"`` where compute, not the link, bounds the step (fast
+        links, workers sharing cores: two-phase encodes and decodes twice).
+
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
 
