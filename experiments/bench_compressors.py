@@ -57,6 +57,8 @@ CASES: dict[str, Callable[[float], object]] = {
     "topk": lambda r: jaxcomm.topk(r, axis_name=AXIS),
     "threshold": lambda r: jaxcomm.threshold(r, axis_name=AXIS),
     "threshold_nosample": lambda r: jaxcomm.threshold(r, axis_name=AXIS, sample_ratio=None),
+    # encode + exchange + decode only: no error-feedback memory (p = g + e, the residual)
+    "threshold_noef": lambda r: jaxcomm.threshold(r, axis_name=AXIS, error_feedback=False),
     "randomk": lambda r: jaxcomm.randomk(r, key=jax.random.key(0), axis_name=AXIS),
     "randomk_stratified": lambda r: jaxcomm.randomk(
         r, key=jax.random.key(0), axis_name=AXIS, sampling="stratified"

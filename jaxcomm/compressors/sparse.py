@@ -1,4 +1,4 @@
-"""Sparsifiers: top-k, random-k and the fast blocked threshold top-k.
+"""Sparsifiers: top-k, random-k and the fast strided-block threshold top-k.
 
 With error feedback (the default) the kept values are sent raw and what is
 not sent stays in the residual. Without it, random-k rescales what it sends
@@ -309,7 +309,7 @@ def _prime_at_least(n: int) -> int:
     return c
 
 
-def _strided_argmax(a: jax.Array, m: int) -> jax.Array:
+def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     """Flat index of the largest entry of each residue class ``j (mod m)`` of ``a``.
 
     ``a`` is non-negative float32 of shape ``(d,)``, ``m <= d``. Block ``j``
@@ -329,6 +329,10 @@ def _strided_argmax(a: jax.Array, m: int) -> jax.Array:
     first, so that a non-finite entry wins its block. A block whose maximum
     is zero or subnormal may report any row (flushed subnormals have no low
     bits); it is clamped into the array, and the value there is ~0.
+
+    With ``second=True`` the fold also carries each block's runner-up key
+    (``lo ← max(min(hi_a, hi_b), lo_a, lo_b)``) and returns ``(best, runner_up,
+    has_runner_up)``; a block of one entry has no runner-up.
     """
     d = a.shape[0]
     rows = d // m
@@ -344,47 +348,85 @@ def _strided_argmax(a: jax.Array, m: int) -> jax.Array:
         r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
         return lax.bitcast_convert_type((pattern & ~low) | (low - r), jnp.float32)
 
-    # Fold the rows in halves (max of the first and last ceil(r/2) rows; an
-    # odd middle row meets itself, harmless for a max), log2(rows) times:
-    # every step is elementwise over contiguous rows. On XLA:CPU a reduction
+    # Fold the rows in halves (max of the first and last ceil(r/2) rows), log2(rows)
+    # times: every step is elementwise over contiguous rows. On XLA:CPU a reduction
     # over axis 0 measured ~2 gradient copies (strided or transposed), and a
-    # concatenate in the folds breaks their fusion (~1.4); these folds fuse
-    # with the key computation and cost ~0.15 of a copy.
+    # concatenate in the folds breaks their fusion (~1.4); these folds fuse with the
+    # key computation and cost ~0.15 of a copy. With an odd row count the middle
+    # row is in both halves: harmless for the maximum, and masked out of the
+    # second operand (row 0 of the last half) for the runner-up.
     best = keys(a[: rows * m].reshape(rows, m), 0)
+    none = jnp.float32(-jnp.inf)
+    lo = jnp.full_like(best, none) if second else None
     while best.shape[0] > 1:
         r = best.shape[0]
         c = (r + 1) // 2
-        best = jnp.maximum(best[:c], best[r - c :])
+        h1, h2 = best[:c], best[r - c :]
+        if second:
+            lo2 = lo[r - c :]
+            if r % 2:
+                middle = (jnp.arange(c) == 0)[:, None]
+                h2, lo2 = jnp.where(middle, none, h2), jnp.where(middle, none, lo2)
+            lo = jnp.maximum(jnp.minimum(h1, h2), jnp.maximum(lo[:c], lo2))
+        best = jnp.maximum(h1, h2)
     best = best[0]
+    if second:
+        lo = lo[0]
     if rem:
         tail = keys(a[rows * m :].reshape(1, rem), rows)[0]
-        best = jnp.concatenate([jnp.maximum(best[:rem], tail), best[rem:]])
-    row = low - (lax.bitcast_convert_type(best, jnp.uint32) & low)
-    # A zero/subnormal maximum has no low bits: any row may come out; clamp it in.
-    row = jnp.minimum(row, jnp.uint32(n_rows - 1)).astype(jnp.int32)
-    idx = row * m + jnp.arange(m, dtype=jnp.int32)
-    return jnp.where(idx < d, idx, idx - m)
+        head = best[:rem]
+        best = jnp.concatenate([jnp.maximum(head, tail), best[rem:]])
+        if second:
+            lo = jnp.concatenate([jnp.maximum(lo[:rem], jnp.minimum(head, tail)), lo[rem:]])
+
+    def rows_of(k):
+        row = low - (lax.bitcast_convert_type(k, jnp.uint32) & low)
+        # A zero/subnormal maximum has no low bits: any row may come out; clamp it in.
+        row = jnp.minimum(row, jnp.uint32(n_rows - 1)).astype(jnp.int32)
+        idx = row * m + jnp.arange(m, dtype=jnp.int32)
+        return jnp.where(idx < d, idx, idx - m)
+
+    if not second:
+        return rows_of(best)
+    return rows_of(best), rows_of(lo), lo > none
+
+
+def _periods(k: int) -> tuple[int, int]:
+    """The two slot periods of ``k`` threshold slots: ``(m1, m2)``, ``m1 + m2 <= k``.
+
+    ``m1`` is the largest prime ``<= ceil(0.6·k)``; ``m2`` the largest prime
+    ``<= k - m1`` other than ``m1`` (distinct primes are coprime), or 0 when
+    ``k - m1 < 2`` (then one pass of ``m1`` slots).
+    """
+    m1 = _prime_at_most(max(1, math.ceil(0.6 * k)))
+    m2 = _prime_at_most(k - m1) if k - m1 >= 2 else 0
+    if m2 == m1:
+        m2 = _prime_at_most(m1 - 1) if m1 > 2 else 0
+    return m1, m2
 
 
 class Threshold(_Sparse):
-    """Strided-block top-k with a sampled magnitude threshold; reductions only, no sort of d.
+    """Two-pass strided-block top-k with a sampled magnitude threshold; no sort of d.
 
-    ``m`` payload slots, ``m`` the largest prime ``<= k`` (``k =
-    max(1, ceil(ratio·d))``, so ``m <= k`` is the static cap; ``k - m`` is
-    below 1% for ``k >= 100``). Slot ``j`` offers the entry of largest
-    magnitude among ``p[j], p[j+m], p[j+2m], ...`` (found with one
-    max-reduction, see :func:`_strided_argmax`). Because ``m`` is prime, a
-    row of a matrix leaf (consecutive entries) spreads over distinct slots,
-    and so does a column (entries a row length apart) unless the row length
-    is a multiple of ``m``: mass concentrated in a few rows or columns fills
-    many slots instead of a few contiguous blocks' worth.
+    ``m1 + m2`` payload slots from two coprime periods (:func:`_periods`;
+    ``k = max(1, ceil(ratio·d))`` bounds the sum, ``k - m1 - m2`` is below 1%
+    for ``k >= 1000``). First pass: slot ``j < m1`` offers the entry of largest
+    magnitude among ``p[j], p[j+m1], p[j+2·m1], ...``. Second pass: slot
+    ``m1 + j`` offers the largest entry of ``p[j], p[j+m2], ...`` that the
+    first pass did not take (the class's runner-up when its maximum was
+    taken; nothing when both were). Both are folds of a ``(d // m, m)`` view
+    (:func:`_strided_best`). Because the periods are prime, a row of a matrix
+    leaf (consecutive entries) spreads over distinct slots, and so does a
+    column (entries a row length apart), and a layout that crowds into few
+    classes of one period (a lattice of the row length mod ``m``) rarely does
+    so for the other.
 
     If ``sample_ratio`` is set, a threshold is computed (exactly, without a
     sort: :func:`_kth_largest`) as the top-``ratio`` magnitude of the sample
     ``|p[::s]|``, ``s`` the smallest prime ``>= round(1/sample_ratio)`` (a
     prime stride does not alias with common row lengths), and a slot's entry
     is sent only if it reaches the threshold (the slot carries value 0
-    otherwise). Entries above the threshold beyond one per slot stay in the
+    otherwise). Entries above the threshold that found no slot stay in the
     residual. :meth:`slots_used` counts the slots that carry an entry.
     """
 
@@ -392,22 +434,38 @@ class Threshold(_Sparse):
         self.ratio = ratio
         self.sample_ratio = sample_ratio
 
+    def periods(self, d: int) -> tuple[int, int]:
+        return _periods(core.num_kept(self.ratio, d))
+
     def slots(self, d: int) -> int:
-        return _prime_at_most(core.num_kept(self.ratio, d))
+        return sum(self.periods(d))
 
     def _stride(self) -> int:
         return _prime_at_least(max(1, round(1.0 / self.sample_ratio)))
 
     def encode(self, p, key):
-        d = p.shape[0]
-        idx = _strided_argmax(jnp.abs(p).astype(jnp.float32), self.slots(d))
+        m1, m2 = self.periods(p.shape[0])
+        a = jnp.abs(p).astype(jnp.float32)
+        idx = _strided_best(a, m1)
+        live = None
+        if m2:
+            best, runner, has_runner = _strided_best(a, m2, second=True)
+            taken = lambda i: idx[i % m1] == i  # noqa: E731  (i won its first-pass class)
+            best_free = ~taken(best)
+            idx = jnp.concatenate([idx, jnp.where(best_free, best, runner)])
+            live = jnp.concatenate(
+                [jnp.ones((m1,), bool), best_free | (has_runner & ~taken(runner))]
+            )
         vals = raw = p[idx]
         if self.sample_ratio is not None:
             sample = jnp.abs(p[:: self._stride()]).astype(jnp.float32)
             thr = _kth_largest(sample, core.num_kept(self.ratio, sample.shape[0]))
             # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
             keep = ~(jnp.abs(vals).astype(jnp.float32) < thr)
-            vals = jnp.where(keep, vals, jnp.zeros_like(vals))
+            live = keep if live is None else live & keep
+        if live is not None:
+            # a dead slot sends 0 at an index another slot may hold: adding 0 is harmless
+            vals = jnp.where(live, vals, jnp.zeros_like(vals))
         return (vals, idx), raw
 
     def slots_used(self, p: jax.Array) -> jax.Array:
@@ -431,36 +489,40 @@ def threshold(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
-    """Fast sparsification: strided-block top-k with a sampled threshold and a static cap.
+    """Fast sparsification: two-pass strided-block top-k with a sampled threshold.
 
     Exact top-k sorts (``lax.top_k`` costs ~7x a gradient copy on XLA:CPU at
     d = 1e7). This path uses only reductions and elementwise ops. The payload
-    has ``m`` slots, ``m`` the largest prime ``<= k = ceil(ratio·d)``; slot
-    ``j`` offers the largest-magnitude entry among ``p[j], p[j+m], p[j+2m],
-    ...`` (found by folding the ``(d // m, m)`` view in halves: ~0.15 of a
-    gradient copy). With ``sample_ratio`` the slot is filled only if that entry
-    reaches the top-``ratio`` threshold estimated from the sample
-    ``p[::s]`` (``s`` the smallest prime ``>= round(1/sample_ratio)``; Strom
-    2015; DGC); with ``sample_ratio=None`` every slot's maximum is sent. What
-    is not sent stays in the residual. The payload is values + int32
-    indices, all-gathered like top-k; the wire is billed for all ``m`` slots.
+    has ``m1 + m2 <= k = ceil(ratio·d)`` slots, ``m1`` the largest prime
+    ``<= ceil(0.6·k)`` and ``m2`` the largest other prime ``<= k - m1``. Slot
+    ``j < m1`` offers the largest-magnitude entry among ``p[j], p[j+m1],
+    p[j+2·m1], ...``; slot ``m1 + j`` offers the largest entry among ``p[j],
+    p[j+m2], ...`` that the first pass did not take (its class's runner-up
+    if the maximum was taken). Both are folds of a ``(d // m, m)`` view in
+    halves. With ``sample_ratio`` a slot is filled only if its entry reaches
+    the top-``ratio`` threshold estimated from the sample ``p[::s]`` (``s``
+    the smallest prime ``>= round(1/sample_ratio)``; Strom 2015; DGC); with
+    ``sample_ratio=None`` every slot's entry is sent. What is not sent stays
+    in the residual. The payload is values + int32 indices, all-gathered
+    like top-k; the wire is billed for all ``m1 + m2`` slots.
 
-    Why strided, prime blocks: with contiguous blocks of ``1/ratio`` entries,
-    mass concentrated in a few rows of a matrix leaf falls into a few
-    blocks (10 heavy rows of a (1000, 1000) leaf: 100 of 10,000 slots
-    used). Interleaved blocks with a prime period spread a row (consecutive
-    entries) and a column (entries a row length apart, unless the row length
-    is a multiple of ``m``) over distinct slots. Measured on (1000, 1000) at
-    ratio 0.01 (tests/test_sparse.py): the slots carrying entries of the
-    true top-k are ~62% of k with mass in 10 random rows, ~97% in 10
-    adjacent rows, ~54% in 10 random columns, ~60% on i.i.d. normal
-    gradients (one slot per block caps i.i.d. near ``1 - 1/e``; the old
-    contiguous blocks: ~4% for rows). Not every layout is spread well: 10
-    *adjacent* columns fill ~44% (multiples of the row length 1000 fall on
-    a lattice mod 9973 whose points crowd together). Entries of the true
-    top-k that share a slot wait in the residual for a later step. To see how many slots a
-    step actually fills, call :func:`threshold_usage` with the gradient
-    and ``state.residual``.
+    Why strided, prime, and two periods: with contiguous blocks of
+    ``1/ratio`` entries, mass concentrated in a few rows of a matrix leaf
+    falls into a few blocks (10 heavy rows of a (1000, 1000) leaf: 384 of
+    10,000 slots used). Interleaved blocks with a prime period spread a row
+    (consecutive entries) and a column (entries a row length apart) over
+    distinct slots, but with one period some layouts crowd into few classes
+    (10 *adjacent* columns: row length 1000 against period 9973 is a lattice,
+    4,394 of 10,000 true top-k entries sent). A second, coprime period
+    rarely crowds the same entries. Measured on (1000, 1000) at ratio 0.01
+    with the sample threshold (tests/test_sparse.py), true top-k entries
+    sent of k = 10,000: 10 random rows 7,745; 10 random columns 7,826; 10
+    adjacent rows 8,270; 10 adjacent columns 7,379; i.i.d. normal 6,883. A
+    sweep over other shapes found layouts still below half (8 adjacent
+    columns of a (3072, 768) leaf: 38%; 40 of a (256, 4000) leaf: 41%): entries
+    that share a slot wait in the residual for a later step. To see how many
+    slots a step actually fills, call :func:`threshold_usage` with the
+    gradient and ``state.residual``.
 
     Args:
       ratio: fraction of entries kept (payload slots ≈ ratio·d), in (0, 1].
