@@ -51,8 +51,16 @@ REGISTRY = {
     "qsgd": lambda ax, **kw: jaxcomm.qsgd(
         16, key=KEY, bucket_size=100, axis_name=ax, **kw, min_size=64
     ),
+    # the all-gather path (the default, "qsgd" above, goes two-phase on 8 workers)
     "qsgd:s1_ef": lambda ax, **kw: jaxcomm.qsgd(
-        1, key=KEY, bucket_size=100, axis_name=ax, **kw, error_feedback=True, min_size=64
+        1,
+        key=KEY,
+        bucket_size=100,
+        axis_name=ax,
+        **kw,
+        error_feedback=True,
+        min_size=64,
+        exchange="gather",
     ),
     "terngrad": lambda ax, **kw: jaxcomm.terngrad(key=KEY, axis_name=ax, **kw, min_size=64),
     "terngrad:gather": lambda ax, **kw: jaxcomm.terngrad(
