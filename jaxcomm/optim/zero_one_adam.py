@@ -157,8 +157,9 @@ def zero_one_adam(
         compression still applies, locally).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
       exchange: the compressed exchange, as :func:`jaxcomm.compress`'s:
-        ``"auto"`` (two-phase on more than 2 workers), ``"two_phase"`` or
-        ``"gather"``.
+        ``"auto"`` (the one that moves fewer bytes for the axis size: two-phase
+        on more than 2 workers for leaves of more than a few hundred entries),
+        ``"two_phase"`` or ``"gather"``.
       min_size: leaves with fewer entries are averaged densely instead.
       bucket_bytes: tensor fusion of every collective, as elsewhere.
 
