@@ -392,6 +392,8 @@ def _free_port() -> int:
 def hook_group_worker(spec_path: str, rank: int) -> None:
     """One rank of :func:`torch_powersgd_group` (``python -m experiments.torch_peers
     --hook_group=SPEC --rank=i``): runs ``powerSGD_hook`` on its own gradients."""
+    import sys
+
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
@@ -435,7 +437,12 @@ def hook_group_worker(spec_path: str, rank: int) -> None:
     if rank == 0 or spec["all_outputs"]:
         res["outputs"] = np.stack(outputs)
     np.savez(os.path.join(spec["dir"], f"rank{rank}.npz"), **res)
-    dist.destroy_process_group()
+    # every rank has written its file; then leave without tearing the group down: torch's
+    # gloo teardown at exit sometimes aborts ("Resource deadlock avoided", 1 run in ~6)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def torch_powersgd_group(
