@@ -2,10 +2,11 @@ r"""MLP on scikit-learn's digits, 8 workers, top-k 1% + error feedback (default 
 
 Command:
   python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
-Variants (``:NAME`` after the file): dense, dense_leaf, bf16, topk (default), threshold, dgc,
-powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, int8_auto, local_sgd, diloco, accumulate,
-policy. ef_sign, qsgd and int8 pin the all-gather exchange (their recorded results);
-int8_auto is jaxcomm's default (``exchange="auto"``: two-phase on more than 2 workers). E.g.
+Variants (``:NAME`` after the file): dense, dense_leaf, bf16, bf16_words, topk (default),
+threshold, dgc, powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, int8_auto, local_sgd,
+diloco, accumulate, policy. ef_sign, qsgd and int8 pin the all-gather exchange (their
+recorded results); int8_auto is jaxcomm's default (``exchange="auto"``: two-phase on more
+than 2 workers). E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
 
 Runtime here (2 CPU cores, 8 fake devices): about 10 s (400 steps, ~150 steps/s
@@ -25,6 +26,11 @@ VARIANTS: dict[str, dict] = {
     # one all-reduce per leaf instead of one per bucket (see README "Several processes")
     "dense_leaf": {"compressor": ("allreduce", {"bucket_bytes": None})},
     "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0})},
+    # bf16 as uint16 words summed in fp32 (all-gather on 2 workers, two-phase on more):
+    # 2 bytes per entry on every backend, where XLA:CPU widens the bf16 all-reduce to 4
+    "bf16_words": {
+        "compressor": ("cast", {"dtype": "bfloat16", "min_size": 0, "accumulate": "all_gather"})
+    },
     "topk": {"compressor": ("topk", {"ratio": 0.01, "min_size": 0})},
     "threshold": {"compressor": ("threshold", {"ratio": 0.01, "min_size": 0})},
     "dgc": {"compressor": ("dgc_sgd", {"ratio": 0.01, "min_size": 0, "warmup_steps": 50})},
