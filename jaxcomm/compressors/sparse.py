@@ -352,7 +352,9 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     # times: every step is elementwise over contiguous rows. On XLA:CPU a reduction
     # over axis 0 measured ~2 gradient copies (strided or transposed), and a
     # concatenate in the folds breaks their fusion (~1.4); these folds fuse with the
-    # key computation and cost ~0.15 of a copy. With an odd row count the middle
+    # key computation (one d = 1e7 device, this session: ~0.9 of a copy for the
+    # maximum, ~1.2 with the runner-up, whose first level reads a twice; an earlier
+    # 8-device run measured ~0.15). With an odd row count the middle
     # row is in both halves: harmless for the maximum, and masked out of the
     # second operand (row 0 of the last half) for the runner-up.
     best = keys(a[: rows * m].reshape(rows, m), 0)
@@ -578,8 +580,8 @@ def threshold_usage(
     ``state.residual``; ``None`` for a zero residual) and returns, for every
     leaf that is compressed (``scope="leaf"``), the int32 count of payload
     slots carrying a nonzero entry and the static number of slots the wire
-    is billed for. Runs under ``jit``; costs about one encode (~0.2 of a
-    gradient copy at d = 1e7).
+    is billed for. Runs under ``jit``; costs about one encode (the two
+    passes: ~1 gradient copy at d = 1e7).
 
     Example:
       >>> used = jaxcomm.compressors.sparse.threshold_usage(grads, state.residual, ratio=0.01)
