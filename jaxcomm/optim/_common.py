@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import core
+from jaxcomm import core, sync
 
 
 def check_adam_args(b1: Any, b2: Any, eps: Any, weight_decay: Any) -> float:
@@ -22,12 +22,8 @@ def check_adam_args(b1: Any, b2: Any, eps: Any, weight_decay: Any) -> float:
     return eps
 
 
-def check_state(state: Any, cls: type, factory: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"state: expected the {cls.__name__} made by {factory}(...).init(params), "
-            f"got {type(state).__name__}"
-        )
+# The state-class check the sync wrappers use (same message).
+check_state = sync._check_state
 
 
 def zeros_f32(params: Any) -> Any:
