@@ -54,7 +54,7 @@ def _transforms(key):
     G = "gather"  # the all-gather codecs' path the committed table measured (not "auto")
     return {
         "allreduce": lambda **kw: jaxcomm.allreduce(axis_name=ax, **kw),
-        "cast": lambda **kw: jaxcomm.cast(jnp.bfloat16, axis_name=ax, **kw),
+        "cast": lambda **kw: jaxcomm.cast(jnp.bfloat16, axis_name=ax, accumulate="psum", **kw),
         "int8": lambda **kw: jaxcomm.int8(key=key, axis_name=ax, exchange=G, **kw),
         "qsgd": lambda **kw: jaxcomm.qsgd(16, key=key, axis_name=ax, exchange=G, **kw),
         "terngrad": lambda **kw: jaxcomm.terngrad(key=key, axis_name=ax, **kw),

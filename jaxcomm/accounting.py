@@ -4,7 +4,7 @@ Two views, held equal by the tests:
 
 * :func:`wire_report` / :func:`jaxcomm.wire_bytes` — what the *algorithm*
   sends: the operand of every collective jaxcomm issues, per worker per step,
-  in the dtype the algorithm chose. Obtained by tracing ``tx.update``
+  in the dtype the algorithm chose (as the backend moves it, see below). Obtained by tracing ``tx.update``
   abstractly (no devices, any number of workers), so it covers compositions
   (``optax.chain``, ``optax.partition``, ``optax.MultiSteps``) for free.
 * :func:`collective_bytes` / :func:`hlo_collectives` — what the *compiled
@@ -22,11 +22,16 @@ Both views count collectives as well as bytes (:func:`wire_count`,
 latency, which is why jaxcomm packs payloads into buckets
 (:mod:`jaxcomm.buckets`), one collective per bucket.
 
-Backend differences (why the two views can differ): XLA:CPU promotes bf16
-all-reduces and all-gathers to float32 (the HLO shows ``f32`` and
-``to_apply=..._promoted``), so a bf16 payload moves 4 bytes per entry on CPU;
-fp16, int8/uint8/uint16/uint32 payloads are moved as they are. GPU (NCCL) and
-TPU reduce bf16 natively.
+Backend differences: XLA:CPU promotes every bf16 collective to float32 (the
+HLO shows ``f32`` and ``to_apply=..._promoted``). jaxcomm therefore moves
+16-bit floats as their ``uint16`` bits in collectives that only move data
+(all-gather, all-to-all, collective-permute: 2 bytes per entry on every
+backend), and the report counts a bf16 all-reduce or reduce-scatter at the 4
+bytes per entry XLA:CPU moves when it is made for the CPU backend
+(``backend=None`` on a CPU machine, or ``backend="cpu"``), at 2 for GPU/TPU,
+which reduce bf16 natively. So the two views agree to the byte on every
+backend; ``wire_report(..., backend="gpu")`` plans for a GPU cluster from a
+CPU machine.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ def wire_report(
     tx: optax.GradientTransformation,
     params: Any,
     n_workers: int | Mapping[str, int],
+    *,
+    backend: str | None = None,
 ) -> list[Collective]:
     """Every collective one worker takes part in during one update of ``tx``.
 
@@ -85,6 +92,14 @@ def wire_report(
         taken to have the same shapes and dtypes.
       n_workers: workers on every mesh axis (an int), or a dict mapping axis
         name to its size (e.g. ``{"node": 4, "local": 8}``).
+      backend: count the bytes as this backend moves them: ``"cpu"``,
+        ``"gpu"`` or ``"tpu"``; ``None`` (default): the one JAX runs on, so
+        the report equals what :func:`collective_bytes` reads from this
+        machine's compiled program. The backends differ only in 16-bit
+        floats: XLA:CPU sums bf16 in float32 (a bf16 all-reduce moves 4
+        bytes per entry there, 2 on GPU/TPU), and ``jaxcomm.cast``'s default
+        exchange differs (uint16 words on CPU, the psum elsewhere). Pass
+        ``"gpu"`` on a laptop to plan for a GPU cluster.
 
     Returns:
       A list of :class:`jaxcomm.exchange.Collective`.
@@ -92,7 +107,7 @@ def wire_report(
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
-    with exchange.recording(n_workers) as ledger:
+    with exchange.recording(n_workers, backend) as ledger:
         # a fresh function: jax caches traces by function, and init may depend on n
         state = jax.eval_shape(lambda p: tx.init(p), abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)
@@ -123,13 +138,15 @@ def wire_bytes(
     n_workers: int | Mapping[str, int],
     *,
     axis: Any = None,
+    backend: str | None = None,
 ) -> int:
     """Bytes each worker contributes to collectives in one step of ``tx``.
 
     The sum of :func:`wire_report`'s ``nbytes``: the all-reduce payloads plus
     the worker's all-gathered pieces, in the dtypes the algorithms send.
     ``axis`` counts only the collectives over that mesh axis (e.g. the slow
-    ``"node"`` axis of a :func:`jaxcomm.hierarchical` exchange).
+    ``"node"`` axis of a :func:`jaxcomm.hierarchical` exchange). ``backend``:
+    as for :func:`wire_report` (default: the backend JAX runs on).
 
     Example:
       >>> params = {"w": jnp.zeros((1000, 1000))}
@@ -138,7 +155,9 @@ def wire_bytes(
       80000
     """
     return sum(
-        c.nbytes for c in wire_report(tx, params, n_workers) if axis is None or c.axis == axis
+        c.nbytes
+        for c in wire_report(tx, params, n_workers, backend=backend)
+        if axis is None or c.axis == axis
     )
 
 
@@ -148,6 +167,7 @@ def wire_count(
     n_workers: int | Mapping[str, int],
     *,
     axis: Any = None,
+    backend: str | None = None,
 ) -> int:
     """Number of collectives one worker takes part in during one step of ``tx``.
 
@@ -159,7 +179,8 @@ def wire_count(
       >>> jaxcomm.accounting.wire_count(jaxcomm.allreduce(axis_name="data"), params, 8)
       1
     """
-    return sum(1 for c in wire_report(tx, params, n_workers) if axis is None or c.axis == axis)
+    report = wire_report(tx, params, n_workers, backend=backend)
+    return sum(1 for c in report if axis is None or c.axis == axis)
 
 
 def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:

@@ -55,9 +55,13 @@ class Collective(NamedTuple):
     operands: int = 1
 
 
+BACKENDS = ("cpu", "gpu", "tpu")
+
+
 class _Ledger:
-    def __init__(self, sizes: int | Mapping[str, int]):
+    def __init__(self, sizes: int | Mapping[str, int], backend: str | None = None):
         self.sizes = sizes
+        self.backend = backend
         self.collectives: list[Collective] = []
 
     def size(self, axis_name: AxisName) -> int:
@@ -81,16 +85,33 @@ def _ledger() -> _Ledger | None:
     return stack[-1] if stack else None
 
 
+def backend() -> str:
+    """The backend whose collectives are being built: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+
+    ``jax.default_backend()``, unless a ledger records for another one
+    (``wire_report(..., backend="gpu")`` on a CPU machine). What differs by
+    backend is only what XLA:CPU does to 16-bit floats (:func:`moved_itemsize`).
+    """
+    ledger = _ledger()
+    if ledger is not None and ledger.backend is not None:
+        return ledger.backend
+    return jax.default_backend()
+
+
 @contextlib.contextmanager
-def recording(sizes: int | Mapping[str, int]) -> Iterator[_Ledger]:
+def recording(sizes: int | Mapping[str, int], backend: str | None = None) -> Iterator[_Ledger]:
     """Open a ledger: collectives traced inside are recorded, not run.
 
     Use through :func:`jaxcomm.accounting.wire_report`; only meant for abstract
     tracing (``jax.make_jaxpr``), since the stand-ins compute nothing useful.
+    ``backend`` (one of :data:`BACKENDS`, ``None``: the one JAX runs on) is
+    the backend the bytes are counted for (see :func:`backend`).
     """
     if isinstance(sizes, int) and sizes < 1:
         raise ValueError(f"n_workers: must be >= 1, got {sizes}")
-    ledger = _Ledger(sizes)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected None or one of {BACKENDS}, got {backend!r}")
+    ledger = _Ledger(sizes, backend)
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -104,6 +125,41 @@ def recording(sizes: int | Mapping[str, int]) -> Iterator[_Ledger]:
 MARKER = "jaxcomm_wire_"
 
 
+_REDUCING = ("all_reduce", "reduce_scatter")
+
+
+def moved_itemsize(dtype: Any, kind: str = "all_reduce") -> int:
+    """Bytes per entry a collective of ``kind`` moves for operands of ``dtype``.
+
+    The dtype's own size, except for a bf16 reduction on the CPU backend:
+    XLA:CPU promotes bf16 collectives to float32 in the compiled program
+    (4 bytes per entry). Collectives that only move data (all-gather,
+    all-to-all, collective-permute) send 16-bit floats as their ``uint16``
+    bits (:func:`_words`), so those stay at 2 bytes on every backend. GPU
+    (NCCL) and TPU reduce bf16 natively. Decided by :func:`backend`.
+    """
+    dtype = jnp.dtype(dtype)
+    if kind in _REDUCING and dtype == jnp.bfloat16 and backend() == "cpu":
+        return 4
+    return dtype.itemsize
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """A 16-bit float as its ``uint16`` bits, for collectives that only move data.
+
+    XLA:CPU promotes every bf16 collective to float32, all-gathers included
+    (twice the bytes, for nothing: no arithmetic happens in them). The bits
+    travel unchanged, so the result is bit-identical on every backend.
+    """
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2:
+        return lax.bitcast_convert_type(x, jnp.uint16)
+    return x
+
+
+def _unwords(y: jax.Array, dtype: Any) -> jax.Array:
+    return lax.bitcast_convert_type(y, dtype) if y.dtype != dtype else y
+
+
 def _record(kind: str, axis_name: AxisName, x: jax.Array) -> jax.Array:
     """Note ``x`` as the operand of a collective; return ``x`` tagged for the jaxpr.
 
@@ -115,9 +171,8 @@ def _record(kind: str, axis_name: AxisName, x: jax.Array) -> jax.Array:
     """
     ledger = _ledger()
     x = jnp.asarray(x)
-    ledger.collectives.append(
-        Collective(kind, axis_name, int(x.size * x.dtype.itemsize), x.dtype.name, tuple(x.shape))
-    )
+    nbytes = int(x.size * moved_itemsize(x.dtype, kind))  # what the program moves
+    ledger.collectives.append(Collective(kind, axis_name, nbytes, x.dtype.name, tuple(x.shape)))
     with jax.named_scope(f"{MARKER}{len(ledger.collectives) - 1}"):
         return lax.optimization_barrier(x)
 
@@ -279,10 +334,11 @@ def all_gather(tree: Any, axis_name: AxisName, *, tiled: bool = False) -> Any:
     axis_size(axis_name)
 
     def gather(x):
+        w = _words(x)
         if _manual(axis_name):
-            x = _as_varying(x, axis_name)
-            return lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
-        return lax.all_gather(x, axis_name, tiled=tiled)
+            w = _as_varying(w, axis_name)
+            return _unwords(lax.all_gather(w, axis_name, tiled=tiled, to="invarying"), x.dtype)
+        return _unwords(lax.all_gather(w, axis_name, tiled=tiled), x.dtype)
 
     return jax.tree.map(gather, tree)
 
@@ -313,7 +369,8 @@ def all_to_all(x: jax.Array, axis_name: AxisName) -> jax.Array:
     if ledger is not None:
         return _record("all_to_all", axis_name, x)
     axis_size(axis_name)
-    return lax.all_to_all(_as_varying(x, axis_name), axis_name, 0, 0, tiled=True)
+    w = lax.all_to_all(_as_varying(_words(x), axis_name), axis_name, 0, 0, tiled=True)
+    return _unwords(w, x.dtype)
 
 
 def ppermute(x: jax.Array, axis_name: str, perm: list[tuple[int, int]]) -> jax.Array:
@@ -321,7 +378,7 @@ def ppermute(x: jax.Array, axis_name: str, perm: list[tuple[int, int]]) -> jax.A
     if _ledger() is not None:
         return _record("collective_permute", axis_name, x)
     axis_size(axis_name)
-    return lax.ppermute(_as_varying(x, axis_name), axis_name, perm)
+    return _unwords(lax.ppermute(_as_varying(_words(x), axis_name), axis_name, perm), x.dtype)
 
 
 def ring_allreduce(tree: Any, axis_name: str) -> Any:

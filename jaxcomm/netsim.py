@@ -930,6 +930,7 @@ def step_time_for(
     compute_time: float,
     *,
     n_workers: int | Mapping[str, int] | None = None,
+    backend: str | None = "gpu",
     **kwargs: Any,
 ) -> StepTime:
     """Iteration time of an optax transform ``tx`` on ``cluster`` (uses ``wire_report``).
@@ -942,6 +943,9 @@ def step_time_for(
       cluster: the :class:`Cluster`.
       compute_time: forward + backward T_c in seconds.
       n_workers: passed to ``wire_report``; default ``cluster.n_workers``.
+      backend: the bytes of which backend's collectives (``wire_report``):
+        ``"gpu"`` (default; TPU moves the same), ``"cpu"`` (XLA:CPU sums
+        bf16 in float32) or ``None`` for the one JAX runs on.
       **kwargs: options of :func:`step_time_for_collectives`; its
         ``gradient_bytes`` defaults to the params' bytes.
 
@@ -957,7 +961,7 @@ def step_time_for(
     from jaxcomm import accounting
 
     sizes = cluster.n_workers if n_workers is None else n_workers
-    report = accounting.wire_report(tx, params, sizes)
+    report = accounting.wire_report(tx, params, sizes, backend=backend)
     if "gradient_bytes" not in kwargs:
         kwargs["gradient_bytes"] = sum(
             math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params)

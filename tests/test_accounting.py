@@ -26,8 +26,19 @@ def k_of(ratio, d):
 def test_wire_bytes_closed_forms(n):
     d = {"w": 5000, "e": 3000}
     assert jaxcomm.wire_bytes(jaxcomm.allreduce(axis_name="x"), PARAMS, n) == 4 * 8010
-    # casts carry NaN/Inf in the payload itself: no flag
-    assert jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n) == 2 * 8000 + DENSE_B
+    # casts carry NaN/Inf in the payload itself: no flag. The default on CPU: uint16
+    # words, two-phase from 3 workers (an all-to-all of n chunks of c = ceil(d/n)
+    # entries per leaf, an all-gather of c, + the two-phase NaN flag byte)
+    cast = jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n)
+    if jax.default_backend() == "cpu" and n > 2:
+        cs = [math.ceil(v / n) for v in d.values()]
+        assert cast == sum(2 * n * c + 2 * c for c in cs) + 1 + DENSE_B
+    else:
+        assert cast == 2 * 8000 + DENSE_B
+    # the 16-bit psum: XLA:CPU sums bf16 in f32, 4 bytes per entry
+    psum = jaxcomm.cast(axis_name="x", accumulate="psum")
+    per_entry = 4 if jax.default_backend() == "cpu" else 2
+    assert jaxcomm.wire_bytes(psum, PARAMS, n) == per_entry * 8000 + DENSE_B
     topk = jaxcomm.topk(0.01, axis_name="x")
     assert (
         jaxcomm.wire_bytes(topk, PARAMS, n)
@@ -100,7 +111,9 @@ def test_compositions_are_counted():
     part = optax.partition(
         {
             "sparse": jaxcomm.topk(0.01, axis_name="x", min_size=0),
-            "cast": jaxcomm.cast(axis_name="x", min_size=0),
+            "cast": jaxcomm.cast(
+                axis_name="x", min_size=0, accumulate="all_gather", exchange="gather"
+            ),
         },
         {"w": "sparse", "e": "cast", "b": "cast"},
     )
@@ -162,3 +175,34 @@ def test_collective_bytes_accepts_lowered_and_compiled():
     compiled = H.shard_map_compiled(tx, H.per_worker_grads(params), H.stack(tx.init(params)))
     assert jaxcomm.accounting.collective_bytes(compiled) == 256
     assert jaxcomm.accounting.collective_bytes(compiled.as_text()) == 256
+
+
+def test_bf16_collectives_hlo_equals_the_report_on_this_backend():
+    """bf16 params: top-k's all-gathered values and two-phase codes travel as uint16 bits
+    (2 bytes on every backend), a bf16 psum is counted at what this backend moves."""
+    params = {"w": jnp.zeros((64, 64), jnp.bfloat16), "b": jnp.zeros((64,), jnp.bfloat16)}
+    cases = {
+        "topk": jaxcomm.topk(0.05, axis_name="data", min_size=100),
+        "psum": jaxcomm.cast(axis_name="data", min_size=100, accumulate="psum"),
+        "words": jaxcomm.cast(axis_name="data", min_size=100, accumulate="all_gather"),
+        "ring": jaxcomm.int8(key=jax.random.key(0), axis_name="data", min_size=100),
+    }
+    g = H.per_worker_grads(params, seed=4)
+    cpu = jax.default_backend() == "cpu"
+    for name, tx in cases.items():
+        compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(params)))
+        hlo = jaxcomm.accounting.hlo_collectives(compiled)
+        assert jaxcomm.accounting.collective_bytes(compiled) == jaxcomm.wire_bytes(
+            tx, params, 8
+        ), name
+        if name == "topk":  # the values' all-gather: uint16 words, 2 bytes per value
+            k = math.ceil(0.05 * 4096)
+            gathers = [c for c in hlo if c.kind == "all_gather"]
+            assert sum(c.nbytes for c in gathers) == k * (2 + 4) + GATHER_FLAG
+    # the "b" leaf (below min_size) and the psum are bf16 all-reduces: 4 bytes per entry
+    # on XLA:CPU, 2 on GPU/TPU; the report can be made for either
+    psum = cases["psum"]
+    for backend, per_entry in (("cpu", 4), ("gpu", 2), ("tpu", 2), (None, 4 if cpu else 2)):
+        assert jaxcomm.wire_bytes(psum, params, 8, backend=backend) == per_entry * (4096 + 64)
+    with pytest.raises(ValueError, match="backend"):
+        jaxcomm.wire_bytes(psum, params, 8, backend="metal")

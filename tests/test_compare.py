@@ -64,7 +64,7 @@ def _fake_run(method, tx, comm_every=1):
         accuracy=[0.5, 0.9, 0.95],
         train_s=[0.1, 0.2, 0.3],
         train_loss=0.1,
-        report=jaxcomm.accounting.wire_report(tx, params, 8),
+        report=jaxcomm.accounting.wire_report(tx, params, 8, backend="gpu"),  # as methods.run
         comm_every=comm_every,
         n_workers=8,
     )
@@ -133,7 +133,7 @@ def test_main_job_command_runs_end_to_end(tmp_path):
     params = digits.init_params("mlp", jax.random.key(0), hidden=32)
     for r in rows:  # native wire: the algorithm's bytes (bf16 at 2 bytes per entry)
         assert r["bytes_per_step"] == jaxcomm.wire_bytes(
-            methods.METHODS[r["method"]](0.3), params, 8
+            methods.METHODS[r["method"]](0.3), params, 8, backend="gpu"
         )
     assert rows[1]["bytes_per_step"] < 0.7 * rows[0]["bytes_per_step"]
     assert (tmp_path / "compare.png").stat().st_size > 1000

@@ -51,7 +51,7 @@ def test_cast_all_gather_rounds_each_worker_then_sums_in_fp32(dtype, np_dtype):
     "dtype, np_dtype", [(jnp.bfloat16, ml_dtypes.bfloat16), (jnp.float16, np.float16)]
 )
 def test_cast_psum_matches_low_precision_sum(dtype, np_dtype):
-    tx = jaxcomm.cast(dtype, axis_name="data", min_size=100)
+    tx = jaxcomm.cast(dtype, axis_name="data", min_size=100, accumulate="psum")
     g = H.per_worker_grads(PARAMS, seed=2)
     out, _ = H.shard_map_update(tx, g, H.stack(tx.init(PARAMS)))
     q = np.asarray(g["w"]).astype(np_dtype).astype(np.float64)
@@ -69,6 +69,12 @@ def test_cast_psum_matches_low_precision_sum(dtype, np_dtype):
         assert np.all(np.abs(got - exact) <= bound)
     # and differs from the fp32 mean by the cast error
     assert np.abs(np.asarray(out["w"]) - np.asarray(g["w"]).mean(0)).max() > 0
+    # the wire report says what the program moves: 4 bytes per entry on XLA:CPU (bf16
+    # promoted by XLA, fp16 widened by us), 2 elsewhere; "b" goes dense in fp32
+    per_entry = 4 if jax.default_backend() == "cpu" else 2
+    assert jaxcomm.wire_bytes(tx, PARAMS, 8) == per_entry * 40 * 64 + 4 * 10
+    compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS)))
+    assert jaxcomm.accounting.collective_bytes(compiled) == jaxcomm.wire_bytes(tx, PARAMS, 8)
 
 
 def test_cast_keeps_bf16_params_in_bf16():
@@ -95,7 +101,7 @@ def test_cast_fp16_psum_does_not_overflow_at_the_edge_of_the_range(n):
     params = {"w": jnp.zeros((4096,))}
     rng = np.random.default_rng(5)
     g = {"w": jnp.asarray(rng.uniform(2e4, 6e4, size=(n, 4096)), jnp.float32)}
-    tx = jaxcomm.cast(jnp.float16, axis_name="data", min_size=0)
+    tx = jaxcomm.cast(jnp.float16, axis_name="data", min_size=0, accumulate="psum")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
     out, _ = H.shard_map_update(tx, g, H.stack(tx.init(params), n), m=mesh)
     exact = np.asarray(g["w"], np.float64).mean(0)
@@ -105,3 +111,48 @@ def test_cast_fp16_psum_does_not_overflow_at_the_edge_of_the_range(n):
     np.testing.assert_allclose(got, exact, rtol=n * float(np.finfo(np.float16).eps))
     # 2 bytes per entry on the wire; on XLA:CPU widened to 4 (F16 sums there are slow)
     assert jaxcomm.wire_bytes(tx, params, n) == (4 if jax.default_backend() == "cpu" else 2) * 4096
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n", [2, 8])
+def test_cast_default_moves_two_bytes_per_entry_on_this_backend(dtype, n):
+    """The default accumulate="auto": the 16-bit words on CPU, the psum elsewhere."""
+    params = {"w": jnp.zeros((4096,))}
+    rng = np.random.default_rng(6)
+    g = {"w": jnp.asarray(rng.normal(size=(n, 4096)), jnp.float32)}
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("data",))
+    auto = jaxcomm.cast(dtype, axis_name="data", min_size=0)
+    cpu = jax.default_backend() == "cpu"
+    same = jaxcomm.cast(
+        dtype, axis_name="data", min_size=0, accumulate="all_gather" if cpu else "psum"
+    )
+    out, _ = H.shard_map_update(auto, g, H.stack(auto.init(params), n), m=mesh)
+    ref, _ = H.shard_map_update(same, g, H.stack(same.init(params), n), m=mesh)
+    np.testing.assert_array_equal(out["w"], ref["w"])
+    wire = jaxcomm.wire_bytes(auto, params, n)
+    assert wire == jaxcomm.wire_bytes(same, params, n)
+    compiled = H.shard_map_compiled(auto, g, H.stack(auto.init(params), n), m=mesh)
+    assert jaxcomm.accounting.collective_bytes(compiled) == wire
+    if cpu:  # closed form: uint16 all-gather on 2; two-phase on 8 (+1 byte NaN flag)
+        c = 4096 // n
+        assert wire == (2 * 4096 if n == 2 else 2 * n * c + 2 * c + 1)
+        # the psum moves 4 bytes per entry on this backend
+        psum = jaxcomm.cast(dtype, axis_name="data", min_size=0, accumulate="psum")
+        assert jaxcomm.wire_bytes(psum, params, n) == 4 * 4096
+
+
+def test_cast_default_does_not_start_jax():
+    """Building the default cast must not pick a backend: jax.distributed.initialize
+    has to run first in a multi-process job."""
+    import subprocess
+    import sys
+
+    code = (
+        "import jaxcomm, jax.numpy as jnp\n"
+        "from jax._src import xla_bridge\n"
+        "tx = jaxcomm.cast(jnp.float16, axis_name='data')\n"
+        "assert not xla_bridge.backends_are_initialized(), 'cast() started JAX'\n"
+        "import jax; tx.init({'w': jnp.zeros(3)})\n"
+        "assert xla_bridge.backends_are_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

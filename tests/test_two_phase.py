@@ -279,10 +279,9 @@ def test_a_state_without_the_server_residual_is_refused_where_two_phase_runs():
 def test_auto_is_the_one_all_reduce_for_summed_payloads():
     """cast's psum (fp16 widened to float32 on XLA:CPU) stays the path under "auto"."""
     for dtype in (jnp.float16, jnp.bfloat16):
-        auto = jaxcomm.cast(dtype, axis_name=H.AXIS, min_size=4, error_feedback=True)
-        gather = jaxcomm.cast(
-            dtype, axis_name=H.AXIS, min_size=4, error_feedback=True, exchange="gather"
-        )
+        kw = dict(axis_name=H.AXIS, min_size=4, error_feedback=True, accumulate="psum")
+        auto = jaxcomm.cast(dtype, **kw)
+        gather = jaxcomm.cast(dtype, **kw, exchange="gather")
         assert auto.init(PARAMS).server is None
         assert jaxcomm.accounting.wire_report(auto, PARAMS, N) == (
             jaxcomm.accounting.wire_report(gather, PARAMS, N)

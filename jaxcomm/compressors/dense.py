@@ -27,7 +27,7 @@ class Dense(core.CompressorBase):
         return payload[0].astype(dtype)
 
     def wire_size(self, d: int, dtype: Any) -> int:
-        return d * jnp.dtype(dtype).itemsize
+        return d * exchange.moved_itemsize(dtype)  # bf16 sums move 4 bytes on XLA:CPU
 
 
 def allreduce(
@@ -94,7 +94,7 @@ class Cast(core.CompressorBase):
 
     def widened(self) -> bool:
         """Whether the fp16 psum runs in float32 (on the CPU backend; see the class doc)."""
-        return self.prediv and jax.default_backend() == "cpu"
+        return self.prediv and exchange.backend() == "cpu"
 
     def encode(self, p, key):
         n = self._n()
@@ -119,14 +119,17 @@ class Cast(core.CompressorBase):
         return super().decode_mean(received, aux, d, dtype, n)
 
     def wire_size(self, d: int, dtype: Any) -> int:
-        return d * (4 if self.widened() else self.dtype.itemsize)
+        if self.kind == "all_gather":  # uint16 words on every backend
+            return d * 2
+        # the psum: fp16 widened by us on CPU, bf16 by XLA:CPU (both 4 bytes there)
+        return d * (4 if self.widened() else exchange.moved_itemsize(self.dtype))
 
 
 def cast(
     dtype: Any = jnp.bfloat16,
     *,
     axis_name: AxisName | None = None,
-    accumulate: str = "psum",
+    accumulate: str = "auto",
     error_feedback: bool = False,
     min_size: int = 1024,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
@@ -138,12 +141,19 @@ def cast(
     Args:
       dtype: ``jnp.bfloat16`` (default) or ``jnp.float16`` (or their names).
       axis_name: mesh axis to average over; ``None`` rounds locally.
-      accumulate: ``"psum"`` (default) sums in the 16-bit dtype with one
-        all-reduce (what NCCL/TPU do natively; the sum of n values is
-        rounded to 16 bits). ``"all_gather"`` gathers the 16-bit payloads
-        (as ``uint16`` bits) and sums them in float32: exact accumulation,
-        at the cost of an all-gather ((n-1)·s bytes received vs ~2·s for a
-        ring all-reduce).
+      accumulate: ``"psum"`` sums in the 16-bit dtype with one all-reduce
+        (what NCCL/TPU do natively; the sum of n values is rounded to 16
+        bits). ``"all_gather"`` moves the 16-bit payloads as ``uint16`` bits
+        (an all-gather on 2 workers, two-phase on more, see ``exchange``)
+        and sums them in float32: exact accumulation, 2 bytes per entry on
+        every backend. ``"auto"`` (default): ``"psum"`` on GPU and TPU,
+        ``"all_gather"`` on the CPU backend, where the 16-bit all-reduce
+        moves 4 bytes per entry (see the backend note); decided from
+        ``jax.default_backend()`` when the transform is first initialised
+        or traced, so building it does not start JAX (safe before
+        ``jax.distributed.initialize``). ``exchange="two_phase"`` or
+        ``"reduce_scatter"`` implies ``"all_gather"``; without an axis it is
+        ``"psum"`` (local rounding, the same result).
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
       state_dtype: dtype of the error-feedback residual; ``None``: float32 for
@@ -154,13 +164,14 @@ def cast(
         collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
       exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        With ``accumulate="psum"`` (default) ``"auto"`` is that one
-        all-reduce, as ``"gather"`` (on XLA:CPU fp16 goes as fp16-rounded
-        values widened to float32, see :class:`Cast`; the others are
-        refused). With ``accumulate="all_gather"`` ``"auto"`` takes the one
-        that moves fewer bytes for the axis size: the uint16 all-gather on 2
-        workers, two-phase (uint16 words both ways, summed in float32) on
-        more; force ``"gather"`` where compute bounds the step.
+        With ``accumulate="psum"`` ``"auto"`` is that one all-reduce, as
+        ``"gather"`` (on XLA:CPU fp16 goes as fp16-rounded values widened to
+        float32, see :class:`Cast`; the others are refused). With
+        ``accumulate="all_gather"`` (the default on CPU) ``"auto"`` takes
+        the one that moves fewer bytes for the axis size: the uint16
+        all-gather on 2 workers, two-phase (uint16 words both ways, summed
+        in float32) on more; force ``"gather"`` where compute bounds the
+        step.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
@@ -172,12 +183,14 @@ def cast(
     ~6e-8·n underflow to zero (torch's ``fp16_compress_hook`` makes the same
     trade). ``accumulate="all_gather"`` sums in float32 and needs neither.
 
-    Backend note: XLA:CPU promotes a bf16 all-reduce (and all-gather) to
-    float32 in the compiled program, so on CPU ``accumulate="psum"`` with
-    bf16 really moves 4 bytes per entry
-    (``jaxcomm.accounting.collective_bytes`` shows it); fp16 and the
-    ``uint16`` all-gather are not promoted. GPU (NCCL) and TPU reduce bf16
-    natively.
+    Backend note: XLA:CPU promotes a bf16 all-reduce to float32 in the
+    compiled program, and fp16 is widened by us (see :class:`Cast`), so on
+    CPU ``accumulate="psum"`` moves 4 bytes per entry, as dense fp32 does:
+    the wire report says so (``jaxcomm.accounting.collective_bytes`` reads
+    the same from HLO). That is why ``"auto"`` picks the ``uint16`` words
+    there: at 100 Mbit/s on 4 processes they took 568 ms/step against the
+    bf16 psum's 646 and dense fp32's 738 (README, two-phase). GPU (NCCL)
+    and TPU reduce bf16 and fp16 natively.
 
     Example:
       >>> tx = optax.chain(jaxcomm.cast(jnp.bfloat16, axis_name="data"), optax.adam(1e-3))
@@ -195,17 +208,52 @@ def cast(
             f"dtype: expected one of {sorted(_CAST_DTYPES)} for jaxcomm.cast, got {name}"
             " (use jaxcomm.int8 / jaxcomm.qsgd for integer quantisation)"
         )
-    if accumulate not in ("psum", "all_gather"):
-        raise ValueError(f"accumulate: expected 'psum' or 'all_gather', got {accumulate!r}")
-    return core.compress(
-        Cast(resolved, accumulate, axis_name),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    if accumulate not in ("auto", "psum", "all_gather"):
+        raise ValueError(
+            f"accumulate: expected 'auto', 'psum' or 'all_gather', got {accumulate!r}"
+        )
+
+    def build(acc: str) -> optax.GradientTransformation:
+        return core.compress(
+            Cast(resolved, acc, axis_name),
+            axis_name=axis_name,
+            error_feedback=error_feedback,
+            min_size=min_size,
+            bucket_bytes=bucket_bytes,
+            state_dtype=state_dtype,
+            exchange=exchange,
+        )
+
+    if accumulate == "auto" and (axis_name is None or exchange not in ("auto", "gather")):
+        accumulate = "psum" if axis_name is None else "all_gather"
+    if accumulate != "auto":
+        return build(accumulate)
+    build("psum"), build("all_gather")  # validate every argument now, not at first use
+    return _by_backend(build)
+
+
+def _by_backend(build: Any) -> optax.GradientTransformation:
+    """The transform ``build(accumulate)`` for the backend JAX runs on.
+
+    ``jax.default_backend()`` is read when init or update first runs, not
+    here: a factory that started JAX would break ``jax.distributed.initialize``
+    called after it. Both variants share one state class.
+    """
+    built: dict[str, optax.GradientTransformation] = {}
+
+    def pick() -> optax.GradientTransformation:
+        acc = "all_gather" if exchange.backend() == "cpu" else "psum"
+        if acc not in built:
+            built[acc] = build(acc)
+        return built[acc]
+
+    def init_fn(params):
+        return pick().init(params)
+
+    def update_fn(updates, state, params=None):
+        return pick().update(updates, state, params)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
 __all__ = ["allreduce", "cast", "Dense", "Cast"]

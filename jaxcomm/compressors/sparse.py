@@ -16,7 +16,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import core
+from jaxcomm import core, exchange
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.exchange import AxisName
 
@@ -192,7 +192,10 @@ class RandomK(_Sparse):
 
     def wire_size(self, d: int, dtype: Any) -> int:
         # Payload only; the 8-byte key agreement is once per step, not per leaf.
-        per_entry = jnp.dtype(dtype).itemsize + (0 if self.kind == "psum" else 4)
+        if self.kind == "psum":  # bf16 sums move 4 bytes on XLA:CPU
+            per_entry = exchange.moved_itemsize(dtype)
+        else:
+            per_entry = jnp.dtype(dtype).itemsize + 4
         return self.slots(d) * per_entry
 
 
