@@ -48,13 +48,12 @@ def define_flags() -> None:
     ``--processes``).
     """
     flags.DEFINE_integer("processes", 2, "number of local processes", lower_bound=1)
-    flags.DEFINE_integer(
-        "devices_per_process", 1, "fake CPU devices per process", lower_bound=1
-    )
+    flags.DEFINE_integer("devices_per_process", 1, "fake CPU devices per process", lower_bound=1)
     flags.DEFINE_string("rate", None, "shape each link to this rate (tc syntax: 10mbit, 1gbit)")
     flags.DEFINE_string("burst", None, "tbf burst (default: netlab's rule for the rate)")
     flags.DEFINE_integer("port", 0, "coordinator port (0: a free one)", lower_bound=0)
     flags.DEFINE_float("grace_s", 5.0, "seconds between SIGTERM and SIGKILL when stopping")
+
 
 _print_lock = threading.Lock()
 _SPLIT = re.compile(rb"[\r\n]")

@@ -27,7 +27,7 @@ calibrated on the loopback run of the same cell: measured loopback step time
 extra latency of the shaped link over loopback (each measured first, as the
 median time of a dependent scalar all-reduce inside one compiled scan, on
 loopback and on each link: ``alpha_s``) + the bytes the compiled exchange moves
-(``wire_report``, with CPU's bf16->f32 widening of all-reduces) at the shaped
+(``wire_report(..., backend="cpu")``: XLA:CPU sums bf16 in f32) at the shaped
 rate, as TCP goodput over Ethernet (1448 payload bytes per 1514-byte frame).
 """
 
@@ -186,14 +186,8 @@ def _comm_prediction(
     fraction = train.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
     wire = per_comm = colls = 0.0
     for weight, cfg in _phases(config, steps):
-        report = accounting.wire_report(train.make_optimizer(cfg), params, n)
-        # XLA:CPU widens 16-bit float all-reduces to f32 (see jaxcomm.accounting).
-        moved = [
-            c._replace(nbytes=2 * c.nbytes)
-            if c.kind == "all_reduce" and c.dtype in ("bfloat16", "float16")
-            else c
-            for c in report
-        ]
+        # the bytes CPU processes move: XLA:CPU sums bf16 in f32 (see jaxcomm.accounting)
+        moved = accounting.wire_report(train.make_optimizer(cfg), params, n, backend="cpu")
         per_comm += weight * (netsim.exchange_time(moved, n, link) if moved else 0.0)
         wire += weight * sum(netsim_bytes(c, n) for c in moved)
         colls += weight * len(moved)

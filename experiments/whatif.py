@@ -326,7 +326,10 @@ def transform_reports(names: Sequence[str]) -> dict[tuple[str, str], list]:
                 kwargs["key"] = jax.random.key(0)
             try:
                 out[name, scheme.label] = accounting.wire_report(
-                    factory(**kwargs), params, n, backend="gpu"  # the clusters modelled
+                    factory(**kwargs),
+                    params,
+                    n,
+                    backend="gpu",  # the clusters modelled
                 )
             except Exception as e:  # an interface that differs: report it, keep going
                 print(f"  [from_transforms] {scheme.label}: skipped ({type(e).__name__}: {e})")

@@ -4,9 +4,10 @@ Two views, held equal by the tests:
 
 * :func:`wire_report` / :func:`jaxcomm.wire_bytes` — what the *algorithm*
   sends: the operand of every collective jaxcomm issues, per worker per step,
-  in the dtype the algorithm chose (as the backend moves it, see below). Obtained by tracing ``tx.update``
-  abstractly (no devices, any number of workers), so it covers compositions
-  (``optax.chain``, ``optax.partition``, ``optax.MultiSteps``) for free.
+  in the dtype the algorithm chose (as the backend moves it, see below).
+  Obtained by tracing ``tx.update`` abstractly (no devices, any number of
+  workers), so it covers compositions (``optax.chain``, ``optax.partition``,
+  ``optax.MultiSteps``) for free.
 * :func:`collective_bytes` / :func:`hlo_collectives` — what the *compiled
   program* moves: the operand bytes of every all-reduce, all-gather,
   reduce-scatter, collective-permute and all-to-all in optimised HLO text.

@@ -192,9 +192,9 @@ def test_bf16_collectives_hlo_equals_the_report_on_this_backend():
     for name, tx in cases.items():
         compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(params)))
         hlo = jaxcomm.accounting.hlo_collectives(compiled)
-        assert jaxcomm.accounting.collective_bytes(compiled) == jaxcomm.wire_bytes(
-            tx, params, 8
-        ), name
+        assert jaxcomm.accounting.collective_bytes(compiled) == jaxcomm.wire_bytes(tx, params, 8), (
+            name
+        )
         if name == "topk":  # the values' all-gather: uint16 words, 2 bytes per value
             k = math.ceil(0.05 * 4096)
             gathers = [c for c in hlo if c.kind == "all_gather"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -209,9 +208,7 @@ def cast(
             " (use jaxcomm.int8 / jaxcomm.qsgd for integer quantisation)"
         )
     if accumulate not in ("auto", "psum", "all_gather"):
-        raise ValueError(
-            f"accumulate: expected 'auto', 'psum' or 'all_gather', got {accumulate!r}"
-        )
+        raise ValueError(f"accumulate: expected 'auto', 'psum' or 'all_gather', got {accumulate!r}")
 
     def build(acc: str) -> optax.GradientTransformation:
         return core.compress(
