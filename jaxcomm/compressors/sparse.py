@@ -355,9 +355,10 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     # times: every step is elementwise over contiguous rows. On XLA:CPU a reduction
     # over axis 0 measured ~2 gradient copies (strided or transposed), and a
     # concatenate in the folds breaks their fusion (~1.4); these folds fuse with the
-    # key computation (one d = 1e7 device, this session: ~0.9 of a copy for the
-    # maximum, ~1.2 with the runner-up, whose first level reads a twice; an earlier
-    # 8-device run measured ~0.15). With an odd row count the middle
+    # key computation, except where XLA:CPU's grouping of levels into fusions leaves
+    # the keys alone and writes them out first (one more copy): at d = 1e7 the
+    # maximum took ~0.2 of a copy for m <= 4801 and ~0.9 for 4903 <= m <= 8009,
+    # with the same results. With an odd row count the middle
     # row is in both halves: harmless for the maximum, and masked out of the
     # second operand (row 0 of the last half) for the runner-up.
     best = keys(a[: rows * m].reshape(rows, m), 0)
@@ -373,7 +374,13 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
                 middle = (jnp.arange(c) == 0)[:, None]
                 h2, lo2 = jnp.where(middle, none, h2), jnp.where(middle, none, lo2)
             lo = jnp.maximum(jnp.minimum(h1, h2), jnp.maximum(lo[:c], lo2))
-        best = jnp.maximum(h1, h2)
+            # Both keys travel to the next level as one complex64 array behind a
+            # barrier: as two arrays XLA:CPU computed each level's input twice
+            # (d = 1e7, m = 4013: ~1.3 gradient copies for this pass, ~0.2 now).
+            z = lax.optimization_barrier(lax.complex(jnp.maximum(h1, h2), lo))
+            best, lo = jnp.real(z), jnp.imag(z)
+        else:
+            best = jnp.maximum(h1, h2)
     best = best[0]
     if second:
         lo = lo[0]
