@@ -152,7 +152,10 @@ def cast(
         or traced, so building it does not start JAX (safe before
         ``jax.distributed.initialize``). ``exchange="two_phase"`` or
         ``"reduce_scatter"`` implies ``"all_gather"``; without an axis it is
-        ``"psum"`` (local rounding, the same result).
+        ``"psum"`` (local rounding, the same result). To move an
+        error-feedback checkpoint between CPU and GPU/TPU runs, pass
+        ``accumulate`` explicitly: from 3 workers the CPU choice keeps a
+        server residual (``state.server``) that the psum does not have.
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
       state_dtype: dtype of the error-feedback residual; ``None``: float32 for
