@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 
 from absl import app, flags
 
@@ -47,6 +45,7 @@ def measure(entries: int, reps: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from experiments.timing import median_time
     from jaxcomm.accounting import traffic_bytes
     from jaxcomm.exchange import Collective
 
@@ -72,15 +71,9 @@ def measure(entries: int, reps: int) -> dict:
         )
         local = jnp.ones((entries * jax.local_device_count(),), dtype)
         x = jax.make_array_from_process_local_data(sharding, local)
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
+        seconds = median_time(lambda fn=fn, x=x: fn(x), reps)
         operand = entries * jnp.dtype(dtype).itemsize
         sent = traffic_bytes([Collective(kind, "d", operand, jnp.dtype(dtype).name, ())], n)
-        seconds = statistics.median(times)
         rows[name] = {
             "kind": kind,
             "operand_bytes": operand,

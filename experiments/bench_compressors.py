@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from experiments.timing import median_time
 
 AXIS = "data"
 
@@ -114,16 +115,6 @@ def define_flags() -> None:
         "GPT-2-small block stack instead of --sizes",
     )
     flags.DEFINE_integer("gpt2_layers", 12, "blocks in the --tree gpt2 stack (7.1M params each)")
-
-
-def _median_time(fn: Callable[[], object], reps: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _sharded_update(tx, params, mesh):
@@ -314,7 +305,7 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
             out_specs=P(AXIS),
         )
     )
-    t_copy = _median_time(lambda: copy(grads), reps)
+    t_copy = median_time(lambda: copy(grads), reps)
     dense32, dense16 = 4 * size, 2 * size
     print(f"{tree}: {len(shapes)} leaves, {size / 1e6:.2f}M params, copy {t_copy * 1e3:.1f} ms")
     print(

@@ -228,24 +228,22 @@ def cast(
         accumulate = "psum" if axis_name is None else "all_gather"
     if accumulate != "auto":
         return build(accumulate)
-    build("psum"), build("all_gather")  # validate every argument now, not at first use
-    return _by_backend(build)
+    # both built (and their arguments checked) now; which one runs is decided later
+    return _by_backend(cpu=build("all_gather"), other=build("psum"))
 
 
-def _by_backend(build: Any) -> optax.GradientTransformation:
-    """The transform ``build(accumulate)`` for the backend JAX runs on.
+def _by_backend(
+    *, cpu: optax.GradientTransformation, other: optax.GradientTransformation
+) -> optax.GradientTransformation:
+    """``cpu`` on the CPU backend, ``other`` on GPU/TPU (:func:`jaxcomm.exchange.backend`).
 
-    ``jax.default_backend()`` is read when init or update first runs, not
+    The backend is read each time init or update runs (at trace time), not
     here: a factory that started JAX would break ``jax.distributed.initialize``
     called after it. Both variants share one state class.
     """
-    built: dict[str, optax.GradientTransformation] = {}
 
     def pick() -> optax.GradientTransformation:
-        acc = "all_gather" if exchange.backend() == "cpu" else "psum"
-        if acc not in built:
-            built[acc] = build(acc)
-        return built[acc]
+        return cpu if exchange.backend() == "cpu" else other
 
     def init_fn(params):
         return pick().init(params)
