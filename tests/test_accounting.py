@@ -59,7 +59,8 @@ def test_wire_bytes_closed_forms(n):
     )
     th = jaxcomm.threshold(0.01, axis_name="x")
     # m1 + m2 slots per leaf: m1 the largest prime <= ceil(0.6 k), m2 the largest
-    # prime <= k - m1: 29 + 19 of k = 50, 17 + 13 of k = 30
+    # prime <= k - m1: 29 + 19 of k = 50, 17 + 13 of k = 30 (the pair chosen for d may
+    # differ; its sum does not)
 
     def prime_at_most(k):
         return max(p for p in range(2, k + 1) if all(p % q for q in range(2, p)))
