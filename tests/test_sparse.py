@@ -103,6 +103,7 @@ def np_threshold_step(p, ratio, sample_ratio):
         s = max(1, round(1 / sample_ratio))
         while s > 1 and not all(s % f for f in range(2, math.isqrt(s) + 1)):
             s += 1
+        s = min(s, np_prime_at_most(k // 32))  # >= 32 sample entries reach the threshold
         sample = a[::s]
         ks = max(1, math.ceil(ratio * sample.size))
         thr = np.sort(sample)[::-1][ks - 1]
@@ -396,6 +397,27 @@ def test_threshold_fills_half_its_slots_on_adjacent_columns_of_other_shapes(shap
     assert np.intersect1d(sent, true_topk).size >= k / 2, (sent.size, k)
     ref, _ = np_threshold_step(p, ratio, 0.01)
     np.testing.assert_array_equal(np.asarray(out["w"]).reshape(-1), ref)
+
+
+def test_threshold_sample_keeps_enough_entries_on_small_leaves():
+    """A 1% sample of a (3, 3, 32, 32) kernel (k = 93 at ratio 0.01) held 92 entries, so
+    the threshold was the sample's maximum: over 40 i.i.d. normal draws, 19 sent fewer
+    than half of the true top-k (one sent 2 of 93; a real ResNet gradient's kernel sent 5).
+    The stride now keeps >= 32 sample entries at the threshold (stride 2 here): all 40
+    draws send >= 64%, and the selection matches the NumPy reference."""
+    shape, ratio = (3, 3, 32, 32), 0.01
+    d, k = math.prod(shape), math.ceil(ratio * math.prod(shape))
+    tx = jaxcomm.threshold(ratio)
+    g = np.random.default_rng(0).standard_normal((40, *shape)).astype(np.float32)
+    state = tx.init({"w": jnp.zeros(shape)})
+    out, _ = jax.jit(jax.vmap(tx.update, in_axes=(0, None)))({"w": jnp.asarray(g)}, state)
+    out = np.asarray(out["w"]).reshape(40, d)
+    fills = []
+    for p, o in zip(g.reshape(40, d), out):
+        top = np.argsort(-np.abs(p), kind="stable")[:k]
+        fills.append(np.intersect1d(np.flatnonzero(o), top).size / k)
+    assert min(fills) >= 0.5, sorted(fills)[:5]
+    np.testing.assert_array_equal(out[0], np_threshold_step(g[0].reshape(-1), ratio, 0.01)[0])
 
 
 @pytest.mark.parametrize("d, ratio", [(3072 * 768, 0.01), (256 * 4000, 0.01), (10**6, 0.01)])
