@@ -33,3 +33,26 @@ def test_benchmark_repetitions_evolve_the_state():
         res = p.copy()
         np.put_along_axis(res, idx, 0.0, axis=1)
     np.testing.assert_allclose(np.asarray(fn.state.residual["g"]), res, rtol=1e-6, atol=1e-6)
+
+
+def test_threshold_fill_study_measures_the_transform_under_each_rule():
+    """experiments/threshold_fill.py: its fills are what jaxcomm.threshold (now) and the
+    transform built from the ablated selection (before) send, counted here from the
+    updates; and the two rules differ on a leaf where the old sample stride fails."""
+    from experiments import threshold_fill as T
+    from jaxcomm import core
+    from jaxcomm.compressors.sparse import Threshold
+
+    shape, ratio = (3, 3, 32, 32), 0.01
+    d, k = int(np.prod(shape)), int(np.ceil(ratio * np.prod(shape)))
+    leaves = np.random.default_rng(2).standard_normal((6, d)).astype(np.float32)
+    got = {rule: T.fills(leaves, ratio, **kw) for rule, kw in T.RULES.items()}
+    for rule, kw in T.RULES.items():
+        tx = core.compress(Threshold(ratio, 0.01, **kw))
+        state = tx.init({"w": jnp.zeros(shape)})
+        for p, f in zip(leaves, got[rule]):
+            out, _ = tx.update({"w": jnp.asarray(p.reshape(shape))}, state)
+            top = np.argsort(-np.abs(p), kind="stable")[:k]
+            sent = np.flatnonzero(np.asarray(out["w"]).reshape(-1))
+            assert f == np.intersect1d(sent, top).size / k
+    assert got["now"].min() > got["before"].min()

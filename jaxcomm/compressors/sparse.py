@@ -418,11 +418,6 @@ def _default_periods(k: int) -> tuple[int, int]:
     return m1, m2
 
 
-# The fewest sample entries at or above the threshold: with one (a 1% sample of a
-# 9,216-entry conv kernel at ratio 0.01) the threshold is the sample's maximum, and a
-# real gradient's leaf sent 5 of its 93 slots.
-_SAMPLE_KEPT = 32
-
 # How much work the choice of periods may do, per (k, d) and once per process:
 # band entries scored (~0.1 us each in NumPy), and pairs tried.
 _PERIODS_BUDGET = 50_000_000
@@ -553,24 +548,39 @@ class Threshold(_Sparse):
     is sent only if it reaches the threshold (the slot carries value 0
     otherwise). Entries above the threshold that found no slot stay in the
     residual. :meth:`slots_used` counts the slots that carry an entry.
+
+    For ablations (``experiments/threshold_fill.py``): ``choose_periods=False``
+    uses the default pair for every ``d``, ``sample_kept=0`` the plain
+    ``1/sample_ratio`` stride (the rules before these were found lacking).
     """
 
-    def __init__(self, ratio: float, sample_ratio: float | None):
+    def __init__(
+        self,
+        ratio: float,
+        sample_ratio: float | None,
+        *,
+        choose_periods: bool = True,
+        sample_kept: int = 32,
+    ):
         self.ratio = ratio
         self.sample_ratio = sample_ratio
+        self.choose_periods = bool(choose_periods)
+        self.sample_kept = core.check_int(sample_kept, "sample_kept", 0)
 
     def periods(self, d: int) -> tuple[int, int]:
-        return _periods(core.num_kept(self.ratio, d), d)
+        return _periods(core.num_kept(self.ratio, d), d if self.choose_periods else None)
 
     def slots(self, d: int) -> int:
         return sum(self.periods(d))
 
     def _stride(self, d: int) -> int:
         """The sample's stride: ``1/sample_ratio`` rounded up to a prime, but small enough
-        that ``_SAMPLE_KEPT`` sample entries reach the threshold (every entry if ``k`` is
+        that ``sample_kept`` sample entries reach the threshold (every entry if ``k`` is
         below twice that)."""
         s = _prime_at_least(max(1, round(1.0 / self.sample_ratio)))
-        return min(s, _prime_at_most(core.num_kept(self.ratio, d) // _SAMPLE_KEPT))
+        if not self.sample_kept:
+            return s
+        return min(s, _prime_at_most(core.num_kept(self.ratio, d) // self.sample_kept))
 
     def encode(self, p, key):
         m1, m2 = self.periods(p.shape[0])
