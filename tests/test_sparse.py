@@ -100,10 +100,17 @@ def np_threshold_step(p, ratio, sample_ratio):
     a = np.abs(p)
     thr = -np.inf
     if sample_ratio is not None:
-        s = max(1, round(1 / sample_ratio))
-        while s > 1 and not all(s % f for f in range(2, math.isqrt(s) + 1)):
-            s += 1
-        s = min(s, np_prime_at_most(k // 32))  # >= 32 sample entries reach the threshold
+        # the smallest prime >= 1/sample_ratio, and the largest prime <= k // 32 (>= 32
+        # sample entries reach the threshold), both skipping primes that divide d
+        primes = [c for c in range(2, max(k // 32, round(1 / sample_ratio)) * 2 + 3)]
+        primes = [c for c in primes if all(c % f for f in range(2, math.isqrt(c) + 1))]
+        ok = [c for c in primes if d % c]
+        s = (
+            1
+            if round(1 / sample_ratio) <= 1
+            else min(c for c in ok if c >= round(1 / sample_ratio))
+        )
+        s = min(s, max([c for c in ok if c <= k // 32], default=1))
         sample = a[::s]
         ks = max(1, math.ceil(ratio * sample.size))
         thr = np.sort(sample)[::-1][ks - 1]
@@ -403,8 +410,9 @@ def test_threshold_sample_keeps_enough_entries_on_small_leaves():
     """A 1% sample of a (3, 3, 32, 32) kernel (k = 93 at ratio 0.01) held 92 entries, so
     the threshold was the sample's maximum: over 40 i.i.d. normal draws, 19 sent fewer
     than half of the true top-k (one sent 2 of 93; a real ResNet gradient's kernel sent 5).
-    The stride now keeps >= 32 sample entries at the threshold (stride 2 here): all 40
-    draws send >= 64%, and the selection matches the NumPy reference."""
+    The stride now keeps >= 32 sample entries at the threshold (stride 1 here, as 2
+    divides d): all 40 draws send >= half, and the selection matches the NumPy
+    reference."""
     shape, ratio = (3, 3, 32, 32), 0.01
     d, k = math.prod(shape), math.ceil(ratio * math.prod(shape))
     tx = jaxcomm.threshold(ratio)
@@ -418,6 +426,26 @@ def test_threshold_sample_keeps_enough_entries_on_small_leaves():
         fills.append(np.intersect1d(np.flatnonzero(o), top).size / k)
     assert min(fills) >= 0.5, sorted(fills)[:5]
     np.testing.assert_array_equal(out[0], np_threshold_step(g[0].reshape(-1), ratio, 0.01)[0])
+
+
+def test_threshold_sample_stride_is_coprime_with_d():
+    """Heavy mass in two even columns of a (288, 32) leaf (k = 93): a sample stride of 2
+    (the largest prime <= k // 32) would sample only even columns, see all the heavy
+    entries at twice their share, set the threshold too high and send 44 of 93 (47%).
+    2 divides d, so the stride is 1: 70 of 93 (75%)."""
+    rng = np.random.default_rng(0)
+    g = 0.01 * rng.standard_normal((288, 32))
+    g[:, [4, 10]] += rng.standard_normal((288, 2))
+    g = g.astype(np.float32)
+    p, k = g.reshape(-1), 93
+    tx = jaxcomm.threshold(0.01)
+    out, _ = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros_like(g)}))
+    sent = np.flatnonzero(np.asarray(out["w"]).reshape(-1))
+    top = np.argsort(-np.abs(p), kind="stable")[:k]
+    assert np.intersect1d(sent, top).size >= 0.6 * k
+    np.testing.assert_array_equal(
+        np.asarray(out["w"]).reshape(-1), np_threshold_step(p, 0.01, 0.01)[0]
+    )
 
 
 @pytest.mark.parametrize("d, ratio", [(3072 * 768, 0.01), (256 * 4000, 0.01), (10**6, 0.01)])

@@ -467,8 +467,9 @@ def _periods(k: int, d: int | None = None) -> tuple[int, int]:
     wins, among the default and up to ``_PERIODS_CANDIDATES`` pairs with
     ``m1`` nearest ``0.6·S`` (neither dividing ``d``), within
     ``_PERIODS_BUDGET`` scored entries. Deterministic (every worker picks the
-    same pair), computed once per ``(k, d)`` at trace time. ``d=None``: the
-    default pair.
+    same pair; workers that did not would still be averaged right, since
+    the payload carries absolute indices), computed once per ``(k, d)`` at
+    trace time. ``d=None``: the default pair.
     """
     m1, m2 = _default_periods(k)
     if d is None or m2 < 3:
@@ -544,7 +545,8 @@ class Threshold(_Sparse):
     ``|p[::s]|``, ``s`` the smallest prime ``>= round(1/sample_ratio)`` (a
     prime stride does not alias with common row lengths), lowered to the
     largest prime ``<= k // 32`` (1 if none) when the sample would otherwise
-    keep fewer than 32 entries, and a slot's entry
+    keep fewer than 32 entries, primes dividing ``d`` skipped (then the
+    stride is coprime with every row length), and a slot's entry
     is sent only if it reaches the threshold (the slot carries value 0
     otherwise). Entries above the threshold that found no slot stay in the
     residual. :meth:`slots_used` counts the slots that carry an entry.
@@ -574,13 +576,21 @@ class Threshold(_Sparse):
         return sum(self.periods(d))
 
     def _stride(self, d: int) -> int:
-        """The sample's stride: ``1/sample_ratio`` rounded up to a prime, but small enough
-        that ``sample_kept`` sample entries reach the threshold (every entry if ``k`` is
-        below twice that)."""
+        """The sample's stride: the smallest prime ``>= round(1/sample_ratio)``, but
+        small enough that ``sample_kept`` sample entries reach the threshold (the
+        largest prime ``<= k // sample_kept``; 1, every entry, if none). Primes
+        that divide ``d`` are skipped: a stride coprime with ``d`` is coprime with
+        every row length ``c`` of a ``(d/c, c)`` view, so the sample visits every
+        column alike (a stride of 2 on even rows would see only even columns)."""
         s = _prime_at_least(max(1, round(1.0 / self.sample_ratio)))
-        if not self.sample_kept:
-            return s
-        return min(s, _prime_at_most(core.num_kept(self.ratio, d) // self.sample_kept))
+        while s > 1 and d % s == 0:
+            s = _prime_at_least(s + 1)
+        if self.sample_kept:
+            t = _prime_at_most(core.num_kept(self.ratio, d) // self.sample_kept)
+            while t > 1 and d % t == 0:
+                t = _prime_at_most(t - 1)
+            s = min(s, t)
+        return s
 
     def encode(self, p, key):
         m1, m2 = self.periods(p.shape[0])
@@ -646,7 +656,7 @@ def threshold(
     denser one where the sample would keep fewer than 32 entries (small
     leaves: with one kept entry the threshold is the sample's maximum, and
     on 40 i.i.d. normal draws of a (3, 3, 32, 32) kernel 19 sent less than
-    half of the true top-k, one 2 of 93; now all send >= 64%; it costs time
+    half of the true top-k, one 2 of 93; now all send >= 67%; it costs time
     on small leaves: at ratio 0.001, d = 1e5, encode + exchange + decode
     went from 3.3x to ~7x a gradient copy on 8 CPU devices); with
     ``sample_ratio=None`` every slot's entry is sent. What is not sent stays
