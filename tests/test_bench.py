@@ -50,8 +50,9 @@ def test_threshold_fill_study_measures_the_transform_under_each_rule():
     for rule, kw in T.RULES.items():
         tx = core.compress(Threshold(ratio, 0.01, **kw))
         state = tx.init({"w": jnp.zeros(shape)})
+        update = jax.jit(tx.update)
         for p, f in zip(leaves, got[rule]):
-            out, _ = tx.update({"w": jnp.asarray(p.reshape(shape))}, state)
+            out, _ = update({"w": jnp.asarray(p.reshape(shape))}, state)
             top = np.argsort(-np.abs(p), kind="stable")[:k]
             sent = np.flatnonzero(np.asarray(out["w"]).reshape(-1))
             assert f == np.intersect1d(sent, top).size / k
