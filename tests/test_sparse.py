@@ -387,7 +387,7 @@ def test_threshold_fills_half_its_slots_on_adjacent_columns_of_other_shapes(shap
 
     The heavy columns hold about k entries. With the default periods (the largest
     primes near 0.6k and 0.4k) 38-41% (8 columns of (3072, 768)) and 41-46% (40 of
-    (256, 4000)) of k were sent; the periods chosen for d send 67-78% here.
+    (256, 4000)) of k were sent; the periods chosen for d send 76-77% here.
     """
     ratio = 0.01
     rng = np.random.default_rng(5)
