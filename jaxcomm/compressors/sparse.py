@@ -296,10 +296,15 @@ def _kth_largest(a: jax.Array, k: int) -> jax.Array:
     return lax.bitcast_convert_type(lo, jnp.float32)
 
 
+def _is_prime(n: int) -> bool:
+    """Trial division, at trace time."""
+    return n > 1 and all(n % f for f in range(2, math.isqrt(n) + 1))
+
+
 def _prime_at_most(n: int) -> int:
-    """The largest prime ``<= n`` (1 for ``n < 2``); trial division, at trace time."""
+    """The largest prime ``<= n`` (1 for ``n < 2``)."""
     for c in range(n, 1, -1):
-        if all(c % f for f in range(2, math.isqrt(c) + 1)):
+        if _is_prime(c):
             return c
     return 1
 
@@ -309,7 +314,7 @@ def _prime_at_least(n: int) -> int:
     if n <= 1:
         return 1
     c = n
-    while not all(c % f for f in range(2, math.isqrt(c) + 1)):
+    while not _is_prime(c):
         c += 1
     return c
 
@@ -403,10 +408,6 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     if not second:
         return rows_of(best)
     return rows_of(best), rows_of(lo), lo > none
-
-
-def _is_prime(n: int) -> bool:
-    return n > 1 and all(n % f for f in range(2, math.isqrt(n) + 1))
 
 
 def _default_periods(k: int) -> tuple[int, int]:
@@ -573,7 +574,8 @@ class Threshold(_Sparse):
         return _periods(core.num_kept(self.ratio, d), d if self.choose_periods else None)
 
     def slots(self, d: int) -> int:
-        return sum(self.periods(d))
+        # the chosen pair has the default pair's sum: no search for the wire size
+        return sum(_default_periods(core.num_kept(self.ratio, d)))
 
     def _stride(self, d: int) -> int:
         """The sample's stride: the smallest prime ``>= round(1/sample_ratio)``, but
