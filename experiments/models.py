@@ -110,7 +110,9 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": MLP,
     "resnet": ResNet,
     "char_transformer": CharTransformer,
+    "gpt": CharTransformer,  # GPT-style: pre-LN decoder, learned positions, byte vocabulary
 }
+LM_MODELS = ("char_transformer", "gpt")
 
 
 def build(name: str, **kwargs: Any) -> nn.Module:

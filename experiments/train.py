@@ -123,13 +123,39 @@ def _factory_kwargs(factory: Callable, kwargs: dict, seed: int) -> dict:
     return kwargs
 
 
+SCHEDULES = ("constant", "warmup_cosine")
+
+
+def learning_rate(config: ml_collections.ConfigDict) -> float | optax.Schedule:
+    """``config.optimizer.learning_rate``, shaped by ``config.optimizer.schedule`` if set.
+
+    ``schedule.name="warmup_cosine"``: linear warm-up from 0 over
+    ``schedule.warmup_steps``, then cosine decay to ``schedule.end_factor`` x the
+    peak at ``config.num_train_steps`` (one schedule for every method of a study).
+    """
+    lr = config.optimizer.learning_rate
+    sched = config.optimizer.get("schedule") or {"name": "constant"}
+    name = _choice(sched.get("name", "constant"), "config.optimizer.schedule.name", SCHEDULES)
+    if name == "constant":
+        return lr
+    warm = _positive_int(sched.get("warmup_steps", 0), "config.optimizer.schedule.warmup_steps", 0)
+    total = _positive_int(config.num_train_steps, "config.num_train_steps")
+    if warm >= total:
+        raise ValueError(
+            f"config.optimizer.schedule.warmup_steps: {warm} must be < num_train_steps={total}"
+        )
+    return optax.warmup_cosine_decay_schedule(
+        0.0, lr, warm, total, end_value=lr * sched.get("end_factor", 0.1)
+    )
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """Compose ``config.compressor`` with ``config.optimizer`` per policy and wrapper."""
     comp_name = _choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
     opt_name = _choice(config.optimizer.name, "config.optimizer.name", OPTIMIZERS)
     wrapper = _choice(config.wrapper.name, "config.wrapper.name", WRAPPERS)
     policy = _choice(config.get("policy", "none"), "config.policy", POLICIES)
-    lr = config.optimizer.learning_rate
+    lr = learning_rate(config)
     opt_kwargs = dict(config.optimizer.get("kwargs", {}))
     comp_kwargs = dict(config.compressor.get("kwargs", {}))
     try:
@@ -199,11 +225,12 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
             raise ValueError(f"config.{key}: missing")
     _choice(config.model.name, "config.model.name", tuple(models.MODELS))
     _choice(config.data.name, "config.data.name", data_lib.DATASETS)
-    lm = config.model.name == "char_transformer"
-    if lm != (config.data.name == "stdlib_chars"):
+    lm = config.model.name in models.LM_MODELS
+    if lm != (config.data.name in data_lib.LM_DATASETS):
         raise ValueError(
-            "config.model.name / config.data.name: 'char_transformer' goes with 'stdlib_chars' "
-            f"and vice versa, got {config.model.name!r} with {config.data.name!r}"
+            f"config.model.name / config.data.name: language models {list(models.LM_MODELS)} go "
+            f"with text datasets {list(data_lib.LM_DATASETS)} and vice versa, got "
+            f"{config.model.name!r} with {config.data.name!r}"
         )
     if lm:
         _positive_int(config.data.get("seq_len"), "config.data.seq_len", 2)
@@ -212,7 +239,7 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     _positive_int(config.data.get("batch_size"), "config.data.batch_size")
     steps = _positive_int(config.num_train_steps, "config.num_train_steps")
     per_call = _positive_int(config.get("steps_per_call", 1), "config.steps_per_call")
-    for key in ("eval_every", "checkpoint_every"):
+    for key in ("eval_every", "checkpoint_every", "stop_after"):
         value = _positive_int(config.get(key, 0), f"config.{key}", 0)
         if value % per_call:
             raise ValueError(
@@ -539,23 +566,36 @@ def make_eval(model, ds: data_lib.Dataset, batch_size: int) -> Callable[[Any, An
     """Test loss and accuracy (next-token accuracy for LM) of one worker's params."""
 
     @jax.jit
-    def batch_sums(params, stats, x, y):
+    def per_example(params, stats, x, y):
         variables = {"params": params, **({"batch_stats": stats} if stats else {})}
         logits = model.apply(variables, x, train=False)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return loss.sum(), (jnp.argmax(logits, -1) == y).sum()
+        hit = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+        if ds.is_lm:  # a window is one example: its mean over positions
+            return loss.mean(-1), hit.mean(-1)
+        return loss, hit
 
     def evaluate(params, stats) -> dict:
-        loss = correct = count = 0.0
+        losses, hits = [], []
         for i in range(0, len(ds.x_test), batch_size):
             if ds.is_lm:
                 w = ds.x_test[i : i + batch_size]
                 x, y = w[:, :-1], w[:, 1:]
             else:
                 x, y = ds.x_test[i : i + batch_size], ds.y_test[i : i + batch_size]
-            s_loss, s_correct = batch_sums(params, stats, x, y)
-            loss, correct, count = loss + float(s_loss), correct + float(s_correct), count + y.size
-        return {"eval_loss": loss / count, "accuracy": correct / count}
+            loss, hit = per_example(params, stats, x, y)
+            losses.append(np.asarray(loss, np.float64))
+            hits.append(np.asarray(hit, np.float64))
+        loss, hit = np.concatenate(losses), np.concatenate(hits)
+        se = lambda v: float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0
+        # standard errors over the evaluation examples (LM: windows of equal length)
+        return {
+            "eval_loss": float(loss.mean()),
+            "accuracy": float(hit.mean()),
+            "eval_loss_se": se(loss),
+            "accuracy_se": se(hit),
+            "eval_examples": int(len(loss)),
+        }
 
     return evaluate
 
@@ -622,6 +662,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     from tqdm import tqdm
 
     per_call, total = config.steps_per_call, config.num_train_steps
+    # stop_after: end the run early on the same schedule (a probe of a long run's first steps)
+    total = min(total, _positive_int(config.get("stop_after", 0), "config.stop_after", 0) or total)
     eval_every, ckpt_every = config.get("eval_every", 0), config.get("checkpoint_every", 0)
     show = config.get("progress", True) and lead
     bar = tqdm(total=total, initial=start, unit="step", disable=not show)

@@ -9,7 +9,7 @@ import pytest
 
 from experiments import data as data_lib
 from experiments import train
-from experiments.configs import char_transformer, cifar_resnet, digits_mlp
+from experiments.configs import char_transformer, cifar_resnet, digits_mlp, lm_shakespeare
 
 
 def tiny(config, steps=1, per_call=1):
@@ -26,6 +26,11 @@ def tiny(config, steps=1, per_call=1):
     elif name == "char_transformer":
         config.model.kwargs = {"dim": 16, "depth": 1, "heads": 2, "max_len": 16}
         config.data.seq_len, config.data.max_chars, config.data.batch_size = 16, 40_000, 4
+    elif name == "gpt":
+        config.model.kwargs = {"dim": 16, "depth": 1, "heads": 2, "max_len": 16}
+        config.data.seq_len, config.data.batch_size, config.data.test_windows = 16, 4, 8
+        if config.optimizer.get("schedule"):
+            config.optimizer.schedule.warmup_steps = 0
     elif name == "resnet":
         config.model.kwargs = {"stages": (4, 8), "blocks": 1}
         config.data.n_train, config.data.batch_size = 256, 2
@@ -51,6 +56,8 @@ CONFIGS = {
     "digits_mlp:local_sgd": lambda: digits_mlp.get_config("local_sgd"),
     "char_transformer": lambda: char_transformer.get_config(),
     "cifar_resnet": lambda: cifar_resnet.get_config(),
+    "lm_shakespeare": lambda: lm_shakespeare.get_config(),
+    "lm_shakespeare:diloco": lambda: lm_shakespeare.get_config("diloco"),
 }
 
 

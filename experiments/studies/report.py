@@ -1,0 +1,205 @@
+"""Markdown tables and plots generated from a study's results JSON (never typed by hand).
+
+:func:`lm_verdicts` applies :mod:`experiments.studies.verdict` to the LM
+study's JSON (``experiments/studies/lm.py``); :func:`lm_markdown` renders it;
+:func:`write_lm` writes ``<json>.md`` and ``<json>.png`` beside the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from experiments.studies import verdict
+
+RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
+RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s",
+              "10mbit": "10 Mbit/s"}  # fmt: skip
+OPTIMIZER = {  # what each method's update is, beside the shared AdamW + warm-up/cosine
+    "diloco": "AdamW inner, Nesterov outer (H=10)",
+    "diloco_h1": "AdamW, Nesterov outer every step",
+}
+COUNTERPART = {"diloco": "diloco_h1"}  # methods that are optimizers: their own dense baseline
+
+
+def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:
+    """Seconds of training calls to evaluation row ``i``: measured, or timed on the probe's link.
+
+    Loopback (``probe`` None): the run's own ``train_s``. A shaped link: the
+    probe's first call (its measured warm-up) plus the remaining steps at the
+    probe's steady step time.
+    """
+    if probe is None:
+        return curve[i]["train_s"]
+    steps = curve[i]["step"]
+    first = probe["first_call"]
+    if steps <= first["steps"]:
+        return first["train_s"] * steps / first["steps"]
+    return first["train_s"] + (steps - first["steps"]) * probe["step_s"]
+
+
+def lm_verdicts(results: dict) -> dict:
+    """Per process count: the target and, per method and link, the verdict numbers."""
+    total = results["steps"]
+    out = {}
+    for n in sorted({r["n"] for r in results["runs"]}):
+        runs = [r for r in results["runs"] if r["n"] == n]
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        curves = {m: [r["curve"] for r in runs if r["method"] == m] for m in methods}
+        for c in (c for cs in curves.values() for c in cs):
+            verdict.check_curve(c, total)
+        tgt = verdict.choose_target(curves["dense"], total)
+        target = tgt["target"]
+        se = statistics.median(c[-1]["eval_loss_se"] for c in curves["dense"])
+        probes = {(p["rate"], p["method"]): p for p in results["probes"] if p["n"] == n}
+        rates = ["loopback"] + [r for r in RATE_ORDER if any(k[0] == r for k in probes)]
+        rows = {}
+        for m in methods:
+            cs = curves[m]
+            first = [verdict.first_reach(c, target, "eval_loss", True) for c in cs]
+            row = {
+                "steps_to_target": [c[i]["step"] if i >= 0 else None for c, i in zip(cs, first)],
+                "final": verdict.quality([c[-1]["eval_loss"] for c in cs],
+                                         [c[-1]["eval_loss"] for c in curves["dense"]]),
+                "mb_per_step": statistics.median(c[-1]["wire_bytes"] for c in cs) / total / 1e6,
+                "links": {},
+            }  # fmt: skip
+            for rate in rates:
+                probe = None if rate == "loopback" else probes.get((rate, m))
+                if rate != "loopback" and probe is None:
+                    continue
+                times = [seed_time(c, i, probe) if i >= 0 else None for c, i in zip(cs, first)]
+                cell = verdict.summarize(times)
+                cell["step_ms"] = (
+                    1e3 * statistics.median(c[-1]["train_s"] / total for c in cs)
+                    if probe is None
+                    else 1e3 * probe["step_s"]
+                )
+                if probe is not None:
+                    chk = probe["probe_check"]
+                    cell["trajectory_equal"] = chk["probe_eval_loss"] == chk["loopback_eval_loss"]
+                row["links"][rate] = cell
+            rows[m] = row
+        for m, row in rows.items():
+            for rate, cell in row["links"].items():
+                cell["speedup"] = verdict.speedup(rows["dense"]["links"][rate], cell)
+                if m in COUNTERPART and COUNTERPART[m] in rows:
+                    ref = rows[COUNTERPART[m]]["links"].get(rate)
+                    cell["speedup_counterpart"] = ref and verdict.speedup(ref, cell)
+        out[n] = {"target": tgt, "target_se": se, "rates": rates, "methods": rows}
+    return out
+
+
+def _s(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else (f"{x:.1f}" if x >= 10 else f"{x:.2f}")
+
+
+def _time_cell(cell: dict, method: str) -> str:
+    if cell["median"] is None:
+        return f"not reached ({cell['reached']}/{cell['seeds']} seeds)"
+    text = f"{_s(cell['median'])} ({_s(cell['min'])}–{_s(cell['max'])})"
+    if method != "dense" and cell["speedup"] is not None:
+        text += f", {cell['speedup']:.2f}×"
+    if cell.get("speedup_counterpart"):
+        text += f"; {cell['speedup_counterpart']:.2f}× vs {COUNTERPART[method]}"
+    return text
+
+
+def lm_markdown(results: dict) -> str:
+    """The LM study's tables: time to target per link, final quality, step times."""
+    lines = []
+    for n, v in lm_verdicts(results).items():
+        t = v["target"]
+        firsts = "/".join(str(s) for s in t["dense_first_steps"])
+        lines += [
+            f"**{n} processes** — target: validation loss ≤ {t['target']:.4f} nats/byte "
+            f"(± {v['target_se']:.4f} standard error over the 128 validation windows; rule: "
+            f"{t['rule']}); dense first reaches it at steps {firsts} of {results['steps']}.",
+            "",
+            "Time to target: measured seconds of training calls, median (min–max) over "
+            f"{len(t['dense_first_steps'])} seeds, × = dense's median / the method's "
+            "(shaped links: the seed's steps to target at the step time measured on that link):",
+            "",
+            "| method | MB/step | final val loss, median (min–max) | "
+            + " | ".join(RATE_NAMES[r] for r in v["rates"])
+            + " |",
+            "|---|---|---|" + "---|" * len(v["rates"]),
+        ]
+        for m, row in v["methods"].items():
+            f = row["final"]
+            mark = "" if f["within_band"] or m == "dense" else " (worse than dense by > 2%)"
+            links = row["links"]
+            cells = [_time_cell(links[r], m) if r in links else "" for r in v["rates"]]
+            lines.append(
+                f"| {m} | {row['mb_per_step']:.2f} | {f['median']:.4f} "
+                f"({f['min']:.4f}–{f['max']:.4f}){mark} | " + " | ".join(cells) + " |"
+            )
+        lines += [
+            "",
+            "Measured step time (ms; loopback: median over seeds of whole runs; shaped: the "
+            "probe's second call) and whether the probe's validation loss equalled the loopback "
+            "run's at the same step:",
+            "",
+            "| method | " + " | ".join(RATE_NAMES[r] for r in v["rates"]) + " |",
+            "|---|" + "---|" * len(v["rates"]),
+        ]
+        for m, row in v["methods"].items():
+            cells = []
+            for r in v["rates"]:
+                c = row["links"].get(r)
+                if c is None:
+                    cells.append("")
+                    continue
+                eq = {True: ", equal", False: ", DIFFERS", None: ""}[c.get("trajectory_equal")]
+                cells.append(f"{c['step_ms']:.0f}{eq}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def lm_plot(results: dict, path: str) -> None:
+    """Validation loss against measured training time, one panel per (processes, link)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    verdicts = lm_verdicts(results)
+    panels = [(n, r) for n, v in verdicts.items() for r in v["rates"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    for ax, (n, rate) in zip(axes[0], panels):
+        probes = {p["method"]: p for p in results["probes"] if (p["n"], p["rate"]) == (n, rate)}
+        for k, m in enumerate(verdicts[n]["methods"]):
+            probe = None if rate == "loopback" else probes.get(m)
+            if rate != "loopback" and probe is None:
+                continue
+            for r in (r for r in results["runs"] if (r["n"], r["method"]) == (n, m)):
+                c = r["curve"]
+                xs = [seed_time(c, i, probe) for i in range(len(c))]
+                ax.plot(xs, [p["eval_loss"] for p in c], color=f"C{k}", lw=0.9,
+                        label=m if r["seed"] == 0 else None)  # fmt: skip
+        ax.axhline(verdicts[n]["target"]["target"], color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_ylim(top=3.2)
+        ax.set_title(f"{n} processes, {RATE_NAMES[rate]}", fontsize=9)
+        ax.set_xlabel("training time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (nats/byte)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_lm(path: str) -> str:
+    """Write ``path``'s markdown (``.md``) and plot (``.png``) beside it; return the markdown."""
+    with open(path) as f:
+        results = json.load(f)
+    md = lm_markdown(results)
+    stem = path.removesuffix(".json")
+    with open(stem + ".md", "w") as f:
+        f.write(f"# LM study (generated from `{path.split('/')[-1]}`; do not edit)\n\n")
+        f.write(results.get("note", "") + "\n\n" + md + "\n")
+    lm_plot(results, stem + ".png")
+    print(md)
+    return md

@@ -1,0 +1,85 @@
+r"""README tables generated from results JSON, and the check that they still match.
+
+A generated block in ``README.md`` sits between two markers naming its source:
+
+    <!-- generated: lm_study -->
+    ... (written by this module; do not edit by hand) ...
+    <!-- /generated: lm_study -->
+
+Commands:
+  python -m experiments.studies.tables            # rewrite every block from its JSON
+  python -m experiments.studies.tables --check    # exit 1 naming each block that differs
+
+``tests/test_tables.py`` runs the check, so a table edited by hand (or a JSON
+re-measured without regenerating) fails the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESULTS = os.path.join(ROOT, "experiments", "results")
+README = os.path.join(ROOT, "README.md")
+BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- /generated: \2 -->)", re.S)
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def _lm_study() -> str:
+    from experiments.studies import report
+
+    return report.lm_markdown(_load("lm_study.json"))
+
+
+def _netstudy() -> str:
+    from experiments import netstudy
+
+    return netstudy.report(_load("netstudy.json"), None)
+
+
+RENDERERS: dict[str, Callable[[], str]] = {"lm_study": _lm_study, "netstudy": _netstudy}
+
+
+def render(name: str) -> str:
+    if name not in RENDERERS:
+        raise KeyError(f"generated block {name!r}: no renderer; known: {sorted(RENDERERS)}")
+    return RENDERERS[name]().rstrip("\n") + "\n"
+
+
+def mismatches(text: str) -> list[str]:
+    """Names of the generated blocks in ``text`` whose body differs from a fresh render."""
+    return [m.group(2) for m in BLOCK.finditer(text) if m.group(3) != render(m.group(2))]
+
+
+def regenerate(text: str) -> str:
+    """``text`` with every generated block's body rendered afresh."""
+    return BLOCK.sub(lambda m: m.group(1) + render(m.group(2)) + m.group(4), text)
+
+
+def main(argv: list[str]) -> int:
+    with open(README) as f:
+        text = f.read()
+    if "--check" in argv:
+        bad = mismatches(text)
+        for name in bad:
+            print(f"README.md: generated block {name!r} differs from its JSON; run "
+                  "python -m experiments.studies.tables")  # fmt: skip
+        return 1 if bad else 0
+    new = regenerate(text)
+    if new != text:
+        with open(README, "w") as f:
+            f.write(new)
+    print(f"{len(BLOCK.findall(new))} generated blocks in README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
