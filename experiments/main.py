@@ -1,4 +1,4 @@
-"""Launcher: ``python -m experiments.main --config CONFIG_FILE --workdir DIR``.
+"""Launcher: ``python -m experiments.main --config CONFIG_FILE[:VARIANT] [--workdir DIR]``.
 
 Flags only; everything else is in the config file (see ``experiments/configs``).
 Override any value on the command line, e.g. ``--config.num_train_steps=100``.
@@ -28,8 +28,20 @@ from jaxcomm import distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
-flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl, metrics.png; resumes if present")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.DEFINE_string(
+    "workdir",
+    None,
+    "checkpoints, metrics.jsonl, metrics.png; resumes if present "
+    "(default: runs/<config file>[_<variant>])",
+)
+flags.mark_flags_as_required(["config"])
+
+
+def default_workdir(config_arg: str) -> str:
+    """``runs/<config file stem>[_<variant>]`` for ``--config=path/name.py[:variant]``."""
+    path, _, variant = config_arg.partition(":")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join("runs", f"{stem}_{variant}" if variant else stem)
 
 
 def main(argv: list[str]) -> None:
@@ -37,7 +49,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
     distributed.initialize()  # several processes if the environment says so; else nothing
-    train.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    workdir = FLAGS.workdir or default_workdir(FLAGS["config"].config_filename)
+    if not FLAGS.workdir:
+        print(f"workdir: {workdir}", flush=True)
+    train.train_and_evaluate(FLAGS.config, workdir)
 
 
 if __name__ == "__main__":

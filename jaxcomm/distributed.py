@@ -182,11 +182,24 @@ def _watchdog(seconds: float, what: str) -> threading.Timer:
     return timer
 
 
-def _agree(num_processes: int, process_id: int, local_devices: int, timeout_s: float) -> None:
-    """Every process must have asked for the same count and hold as many devices."""
+def coordination_state():
+    """JAX's distributed-runtime state (its key-value client and coordinator address).
+
+    JAX has no public handle on the coordination service's key-value store,
+    which :func:`initialize` uses to compare the processes' setups before any
+    collective could hang, and :func:`barrier` to wait with a timeout. This is
+    the one place jaxcomm reaches into ``jax._src``; the supported JAX versions
+    are bounded in ``pyproject.toml`` and ``tests/test_package.py`` fails when
+    the name moves.
+    """
     from jax._src import distributed as jax_distributed
 
-    client = jax_distributed.global_state.client
+    return jax_distributed.global_state
+
+
+def _agree(num_processes: int, process_id: int, local_devices: int, timeout_s: float) -> None:
+    """Every process must have asked for the same count and hold as many devices."""
+    client = coordination_state().client
     mine = f"{num_processes},{local_devices}"
     client.key_value_set(f"jaxcomm/setup/{process_id}", mine)
     for other in range(jax.process_count()):
@@ -297,9 +310,7 @@ def process_info() -> ProcessInfo:
     """This process's :class:`ProcessInfo` (initialises JAX's backends)."""
     coordinator = None
     if jax.distributed.is_initialized():
-        from jax._src import distributed as jax_distributed
-
-        coordinator = jax_distributed.global_state.coordinator_address
+        coordinator = coordination_state().coordinator_address
     return ProcessInfo(
         jax.process_index(),
         jax.process_count(),
@@ -411,9 +422,7 @@ def gather(tree: Any) -> Any:
 def barrier(name: str, timeout_s: float = 300.0) -> None:
     """Wait until every process reaches ``name`` (nothing to wait for with one process)."""
     if jax.process_count() > 1:
-        from jax._src import distributed as jax_distributed
-
-        jax_distributed.global_state.client.wait_at_barrier(name, int(timeout_s * 1000))
+        coordination_state().client.wait_at_barrier(name, int(timeout_s * 1000))
 
 
 __all__ = [

@@ -307,3 +307,14 @@ def test_nonfinite_state_is_not_saved_and_keeps_the_last_good(tmp_path, caplog):
     assert sorted(mngr.all_steps()) == [2, 4]  # nothing rotated out
     assert train.save_state(mngr, 6, state) is True
     assert sorted(mngr.all_steps()) == [4, 6]
+
+
+def test_main_default_workdir_names_the_config_and_variant():
+    from experiments import main
+
+    assert main.default_workdir("experiments/configs/lm_shakespeare.py:bf16") == os.path.join(
+        "runs", "lm_shakespeare_bf16"
+    )
+    assert main.default_workdir("experiments/configs/digits_mlp.py") == os.path.join(
+        "runs", "digits_mlp"
+    )

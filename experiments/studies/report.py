@@ -2,12 +2,14 @@
 
 :func:`lm_verdicts` applies :mod:`experiments.studies.verdict` to the LM
 study's JSON (``experiments/studies/lm.py``); :func:`lm_markdown` renders it;
-:func:`write_lm` writes ``<json>.md`` and ``<json>.png`` beside the JSON.
+:func:`write_lm` writes the plot beside the JSON and regenerates the tables
+(:mod:`experiments.studies.tables`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 from experiments.studies import verdict
@@ -192,14 +194,14 @@ def lm_plot(results: dict, path: str) -> None:
 
 
 def write_lm(path: str) -> str:
-    """Write ``path``'s markdown (``.md``) and plot (``.png``) beside it; return the markdown."""
+    """Write the plot beside ``path`` (``.png``); regenerate the tables (README, ``.md``)."""
+    from experiments.studies import tables
+
     with open(path) as f:
         results = json.load(f)
+    lm_plot(results, path.removesuffix(".json") + ".png")
+    if os.path.abspath(path) == os.path.join(tables.RESULTS, "lm_study.json"):
+        tables.main([])
     md = lm_markdown(results)
-    stem = path.removesuffix(".json")
-    with open(stem + ".md", "w") as f:
-        f.write(f"# LM study (generated from `{path.split('/')[-1]}`; do not edit)\n\n")
-        f.write(results.get("note", "") + "\n\n" + md + "\n")
-    lm_plot(results, stem + ".png")
     print(md)
     return md

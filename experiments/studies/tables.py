@@ -6,9 +6,12 @@ A generated block in ``README.md`` sits between two markers naming its source:
     ... (written by this module; do not edit by hand) ...
     <!-- /generated: lm_study -->
 
+Each study's tables are also written as markdown beside its JSON
+(:data:`DOCUMENTS`, e.g. ``experiments/results/lm_study.md``), generated the same way.
+
 Commands:
-  python -m experiments.studies.tables            # rewrite every block from its JSON
-  python -m experiments.studies.tables --check    # exit 1 naming each block that differs
+  python -m experiments.studies.tables            # rewrite every block and study file
+  python -m experiments.studies.tables --check    # exit 1 naming each one that differs
 
 ``tests/test_tables.py`` runs the check, so a table edited by hand (or a JSON
 re-measured without regenerating) fails the suite.
@@ -46,12 +49,42 @@ def _netstudy() -> str:
 
 
 RENDERERS: dict[str, Callable[[], str]] = {"lm_study": _lm_study, "netstudy": _netstudy}
+# Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
+DOCUMENTS = {
+    "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
+    "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
+}
 
 
 def render(name: str) -> str:
     if name not in RENDERERS:
         raise KeyError(f"generated block {name!r}: no renderer; known: {sorted(RENDERERS)}")
     return RENDERERS[name]().rstrip("\n") + "\n"
+
+
+def document(name: str) -> str:
+    """The full markdown file of study ``name``: a header, the JSON's note, the tables."""
+    _, source, title = DOCUMENTS[name]
+    note = _load(source).get("note", "")
+    head = (
+        f"# {title}\n\nGenerated from `{source}` by `python -m experiments.studies.tables`; "
+        "do not edit.\n\n"
+    )
+    return head + (note.strip() + "\n\n" if note else "") + render(name)
+
+
+def stale_documents() -> list[str]:
+    """Names of the study markdown files that are missing or differ from a fresh render."""
+    bad = []
+    for name, (fname, _, _) in DOCUMENTS.items():
+        path = os.path.join(RESULTS, fname)
+        if not os.path.exists(path):
+            bad.append(name)
+            continue
+        with open(path) as f:
+            if f.read() != document(name):
+                bad.append(name)
+    return bad
 
 
 def mismatches(text: str) -> list[str]:
@@ -68,16 +101,19 @@ def main(argv: list[str]) -> int:
     with open(README) as f:
         text = f.read()
     if "--check" in argv:
-        bad = mismatches(text)
-        for name in bad:
-            print(f"README.md: generated block {name!r} differs from its JSON; run "
-                  "python -m experiments.studies.tables")  # fmt: skip
+        bad = [f"README.md block {n!r}" for n in mismatches(text)]
+        bad += [f"experiments/results/{DOCUMENTS[n][0]}" for n in stale_documents()]
+        for what in bad:
+            print(f"{what} differs from its JSON; run python -m experiments.studies.tables")
         return 1 if bad else 0
     new = regenerate(text)
     if new != text:
         with open(README, "w") as f:
             f.write(new)
-    print(f"{len(BLOCK.findall(new))} generated blocks in README.md")
+    for name, (fname, _, _) in DOCUMENTS.items():
+        with open(os.path.join(RESULTS, fname), "w") as f:
+            f.write(document(name))
+    print(f"{len(BLOCK.findall(new))} generated blocks in README.md; {len(DOCUMENTS)} study files")
     return 0
 
 
