@@ -41,6 +41,8 @@ import time
 
 from absl import app, flags
 
+from experiments.studies import runs
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["digits_mlp", "wide_mlp"], "models (see MODELS)")
 flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "link rates")
@@ -98,19 +100,7 @@ def _run_cell(model: str, n: int, rate: str, method: str, steps: int) -> dict:
         f"--config.eval_every={EVERY}", "--config.checkpoint_every=0",
         "--config.progress=False", "--config.plot=False", *MODELS[model]["overrides"],
     ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return {
-        "command": " ".join("python" if a == sys.executable else a for a in argv),
-        "process_wall_s": time.perf_counter() - t0,
-        "curve": [
-            {k: r[k] for k in ("step", "accuracy", "train_s", "wire_bytes", "loss")} for r in rows
-        ],
-    }
+    return runs.launched(argv, workdir, ("step", "accuracy", "train_s", "wire_bytes", "loss"))
 
 
 ALPHA_CHAIN = 200  # dependent scalar all-reduces per compiled call

@@ -26,3 +26,15 @@ def base() -> ml_collections.ConfigDict:
     c.progress = True
     c.plot = True
     return c
+
+
+def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:
+    """Set a config's compressor, policy and wrapper from a ``VARIANTS`` entry.
+
+    ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every)}``.
+    """
+    name, kwargs = variant["compressor"]
+    c.compressor.name, c.compressor.kwargs = name, dict(kwargs)
+    c.policy = variant.get("policy", "none")
+    if "wrapper" in variant:
+        c.wrapper.name, c.wrapper.every = variant["wrapper"]

@@ -67,11 +67,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "digits"
     c.data.batch_size = 32
     c.optimizer.learning_rate = 0.1
-    v = VARIANTS[variant]
-    c.compressor.name, c.compressor.kwargs = v["compressor"][0], dict(v["compressor"][1])
-    if "wrapper" in v:
-        c.wrapper.name, c.wrapper.every = v["wrapper"]
-    c.policy = v.get("policy", "none")
+    common.apply_variant(c, VARIANTS[variant])
     c.num_train_steps = 400
     c.steps_per_call = 50
     c.eval_every = 50

@@ -72,12 +72,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optimizer.learning_rate = 2e-3
     c.optimizer.kwargs = {"b1": 0.9, "b2": 0.95, "weight_decay": 0.1}
     c.optimizer.schedule = {"name": "warmup_cosine", "warmup_steps": 20, "end_factor": 0.1}
-    variant = VARIANTS[name]
-    comp, kwargs = variant["compressor"]
-    c.compressor.name, c.compressor.kwargs = comp, dict(kwargs)
-    c.policy = variant.get("policy", "none")
-    if "wrapper" in variant:
-        c.wrapper.name, c.wrapper.every = variant["wrapper"]
+    common.apply_variant(c, VARIANTS[name])
     c.num_train_steps = 300
     c.stop_after = 0  # 0: run every step; k: stop after k steps of the same schedule
     c.steps_per_call = 10

@@ -32,9 +32,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from absl import app, flags
+
+from experiments.studies import runs
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
@@ -64,18 +65,8 @@ def run_training(n: int, rate: str, method: str, seed: int, steps: int, stop: in
         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_train_steps={steps}",
         f"--config.stop_after={stop}", "--config.progress=False", "--config.plot=False",
     ]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     keep = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
-    return {
-        "command": " ".join("python" if a == sys.executable else a for a in argv),
-        "process_wall_s": round(time.perf_counter() - t0, 2),
-        "curve": [{k: r[k] for k in keep} for r in rows],
-    }
+    return runs.launched(argv, workdir, keep)
 
 
 def write_report(path: str) -> None:

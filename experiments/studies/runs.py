@@ -1,0 +1,31 @@
+"""One launched training run of a study: the command, its wall time, its metrics rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+
+def launched(argv: list[str], workdir: str, keep: Sequence[str]) -> dict:
+    """Run ``argv`` (an ``experiments.launch`` command training into ``workdir``).
+
+    Returns ``{"command", "process_wall_s", "curve"}``: the command as a user
+    would type it, the seconds the whole command took, and the ``keep`` keys
+    of every row of ``workdir/metrics.jsonl``. Raises with the output's tail if
+    the command fails.
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}")
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {
+        "command": " ".join("python" if a == sys.executable else a for a in argv),
+        "process_wall_s": round(time.perf_counter() - t0, 2),
+        "curve": [{k: r[k] for k in keep} for r in rows],
+    }
