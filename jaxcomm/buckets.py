@@ -105,7 +105,7 @@ def plan(sizes: Sequence[int], keys: Sequence[Any], bucket_bytes: int | None) ->
 
 
 def _varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    return exchange._as_varying(x, axis_name)
+    return exchange.as_varying(x, axis_name)
 
 
 def _after(buf: jax.Array, prev: jax.Array | None) -> jax.Array:

@@ -222,7 +222,7 @@ def num_kept(ratio: float, d: int) -> int:
     return min(d, max(1, math.ceil(ratio * d - 1e-9)))
 
 
-def _raw_key(key: Any, name: str = "key") -> jax.Array:
+def key_bits(key: Any, name: str = "key") -> jax.Array:
     if key is None:
         raise TypeError(f"{name}: a PRNG key is required, e.g. {name}=jax.random.key(0)")
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
@@ -240,7 +240,7 @@ def _path_str(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path)) or "<root>"
 
 
-def _check_leaves(leaves_with_path: Sequence[tuple[Any, Any]], what: str) -> None:
+def check_float_leaves(leaves_with_path: Sequence[tuple[Any, Any]], what: str) -> None:
     for path, leaf in leaves_with_path:
         dtype = jnp.result_type(leaf)
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -483,7 +483,7 @@ def compress(
         raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
     if mode == "reduce_scatter" and scope != "leaf":
         raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")
-    raw_key = _raw_key(key) if compressor.needs_key else None
+    raw_key = key_bits(key) if compressor.needs_key else None
     state_cls = state_class(compressor)
 
     def vector_specs(leaves):  # (d, dtype) of each vector compressed on its own
@@ -494,7 +494,7 @@ def compress(
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
-        _check_leaves(leaves, "params")
+        check_float_leaves(leaves, "params")
         server = error_feedback and axis_name is not None and mode in ("two_phase", "auto")
         if server and mode == "auto":  # n where init sees the axis, else "on some n"
             n = _xc.bound_axis_size(axis_name)
@@ -528,7 +528,7 @@ def compress(
             cls=state_cls,
         )
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        _check_leaves(with_path, "updates")
+        check_float_leaves(with_path, "updates")
         _xc.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         residuals = treedef.flatten_up_to(state.residual) if error_feedback else None

@@ -218,7 +218,7 @@ def axis_index(axis_name: AxisName) -> jax.Array:
     return lax.axis_index(axis_name)
 
 
-def _manual(axis_name: AxisName) -> bool:
+def is_manual_axis(axis_name: AxisName) -> bool:
     """Whether ``axis_name`` is a manual axis of an enclosing shard_map/pmap."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
@@ -231,7 +231,7 @@ def _varying_names(x: Any) -> frozenset:
     return getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
 
 
-def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
+def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Mark ``x`` as varying over the axis before a collective, under shard_map.
 
     A worker's payload differs per worker, but shard_map's type tracking can
@@ -240,7 +240,7 @@ def _as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     "invariant" value would be typed wrongly; ``pcast`` fixes the type and
     moves no data.
     """
-    if not _manual(axis_name):
+    if not is_manual_axis(axis_name):
         return x
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     varying = _varying_names(x)
@@ -261,7 +261,7 @@ def check_per_worker(tree: Any, axis_name: AxisName | None, what: str = "updates
     before ``jax.grad`` (no data moves). Under ``pmap``/``vmap`` there is no
     such tracking and nothing is checked.
     """
-    if axis_name is None or _ledger() is not None or not _manual(axis_name):
+    if axis_name is None or _ledger() is not None or not is_manual_axis(axis_name):
         return
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     # pmap and shard_map(check_vma=False) do not track varying values: the
@@ -290,7 +290,7 @@ def psum(tree: Any, axis_name: AxisName) -> Any:
         n = ledger.size(axis_name)
         return jax.tree.map(lambda x: _record("all_reduce", axis_name, x) * n, tree)
     axis_size(axis_name)
-    return lax.psum(jax.tree.map(lambda x: _as_varying(x, axis_name), tree), axis_name)
+    return lax.psum(jax.tree.map(lambda x: as_varying(x, axis_name), tree), axis_name)
 
 
 def agree(tree: Any, axis_name: AxisName) -> Any:
@@ -305,7 +305,7 @@ def agree(tree: Any, axis_name: AxisName) -> Any:
     if ledger is not None:
         return jax.tree.map(lambda x: _record("all_reduce", axis_name, x), tree)
     axis_size(axis_name)
-    return lax.pmax(jax.tree.map(lambda x: _as_varying(x, axis_name), tree), axis_name)
+    return lax.pmax(jax.tree.map(lambda x: as_varying(x, axis_name), tree), axis_name)
 
 
 def pmean(tree: Any, axis_name: AxisName) -> Any:
@@ -335,8 +335,8 @@ def all_gather(tree: Any, axis_name: AxisName, *, tiled: bool = False) -> Any:
 
     def gather(x):
         w = _words(x)
-        if _manual(axis_name):
-            w = _as_varying(w, axis_name)
+        if is_manual_axis(axis_name):
+            w = as_varying(w, axis_name)
             return _unwords(lax.all_gather(w, axis_name, tiled=tiled, to="invarying"), x.dtype)
         return _unwords(lax.all_gather(w, axis_name, tiled=tiled), x.dtype)
 
@@ -354,7 +354,7 @@ def psum_scatter(x: jax.Array, axis_name: AxisName) -> jax.Array:
         n = ledger.size(axis_name)
         return _record("reduce_scatter", axis_name, x)[: x.shape[0] // n] * n
     axis_size(axis_name)
-    return lax.psum_scatter(_as_varying(x, axis_name), axis_name, tiled=True)
+    return lax.psum_scatter(as_varying(x, axis_name), axis_name, tiled=True)
 
 
 def all_to_all(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -369,7 +369,7 @@ def all_to_all(x: jax.Array, axis_name: AxisName) -> jax.Array:
     if ledger is not None:
         return _record("all_to_all", axis_name, x)
     axis_size(axis_name)
-    w = lax.all_to_all(_as_varying(_words(x), axis_name), axis_name, 0, 0, tiled=True)
+    w = lax.all_to_all(as_varying(_words(x), axis_name), axis_name, 0, 0, tiled=True)
     return _unwords(w, x.dtype)
 
 
@@ -378,7 +378,7 @@ def ppermute(x: jax.Array, axis_name: str, perm: list[tuple[int, int]]) -> jax.A
     if _ledger() is not None:
         return _record("collective_permute", axis_name, x)
     axis_size(axis_name)
-    return _unwords(lax.ppermute(_as_varying(_words(x), axis_name), axis_name, perm), x.dtype)
+    return _unwords(lax.ppermute(as_varying(_words(x), axis_name), axis_name, perm), x.dtype)
 
 
 def ring_allreduce(tree: Any, axis_name: str) -> Any:

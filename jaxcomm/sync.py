@@ -178,7 +178,7 @@ def _check_tx(tx: Any, name: str) -> optax.GradientTransformation:
     return tx
 
 
-def _check_state(state: Any, cls: type, fn: str) -> None:
+def check_state(state: Any, cls: type, fn: str) -> None:
     if not isinstance(state, cls):
         raise TypeError(
             f"state: expected the {cls.__name__} made by {fn}(...).init(params), got "
@@ -217,7 +217,7 @@ def _as_varying(x: jax.Array, axes: frozenset) -> jax.Array:
     return x
 
 
-def _cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
+def typed_cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
     """``lax.cond`` whose two branches return values typed alike under ``shard_map``.
 
     A branch that averages returns values invariant over the mesh axis while
@@ -340,7 +340,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
         )
 
     def update_fn(updates, state, params=None):
-        _check_state(state, AccumulateState, "accumulate")
+        check_state(state, AccumulateState, "accumulate")
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
         mean = jax.tree.map(lambda a, g: (a / every).astype(g.dtype), acc, updates)
 
@@ -354,7 +354,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
             return zeros, acc, inner_state, syncs
 
         emit = state.mini_step >= every - 1
-        u, acc, inner_state, syncs = _cond(
+        u, acc, inner_state, syncs = typed_cond(
             emit, step, wait, mean, acc, state.inner_state, params, state.syncs
         )
         return u, AccumulateState(
@@ -456,7 +456,7 @@ def local_sgd(
 
     def update_fn(updates, state, params=None):
         _require_params(params, "local_sgd")
-        _check_state(state, LocalSGDState, "local_sgd")
+        check_state(state, LocalSGDState, "local_sgd")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
@@ -477,7 +477,7 @@ def local_sgd(
             return u, anchor, comp_state, syncs
 
         is_sync = _sync_step(state, every, warmup_steps)
-        u, anchor, comp_state, syncs = _cond(
+        u, anchor, comp_state, syncs = typed_cond(
             is_sync, sync, stay, u, params, state.anchor, state.compressor_state, state.syncs
         )
         return u, LocalSGDState(
@@ -572,7 +572,7 @@ def diloco(
 
     def update_fn(updates, state, params=None):
         _require_params(params, "diloco")
-        _check_state(state, DiLoCoState, "diloco")
+        check_state(state, DiLoCoState, "diloco")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
@@ -592,7 +592,7 @@ def diloco(
             return u, anchor, outer_state, comp_state, syncs
 
         is_sync = _sync_step(state, every, 0)
-        u, anchor, outer_state, comp_state, syncs = _cond(
+        u, anchor, outer_state, comp_state, syncs = typed_cond(
             is_sync,
             sync,
             stay,
@@ -679,7 +679,7 @@ def delayed_averaging(
         )
 
     def update_fn(updates, state, params=None):
-        _check_state(state, DelayedAveragingState, "delayed_averaging")
+        check_state(state, DelayedAveragingState, "delayed_averaging")
         exchange.check_per_worker(updates, axis_name)
         mean = updates if axis_name is None else buckets.pmean(updates, axis_name, bucket_bytes)
         queue, head = state.queue, state.head
@@ -740,7 +740,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
         )
 
     def update_fn(updates, state, params=None):
-        _check_state(state, StaleState, "stale")
+        check_state(state, StaleState, "stale")
         if staleness == 0:
             u, inner_state = inner.update(updates, state.inner_state, params)
             return u, state._replace(count=_inc(state.count), inner_state=inner_state)
@@ -755,7 +755,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
             return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
 
         ready = state.count >= staleness
-        u, inner_state = _cond(ready, apply, wait, arrived, state.inner_state, params)
+        u, inner_state = typed_cond(ready, apply, wait, arrived, state.inner_state, params)
         return u, StaleState(
             count=_inc(state.count),
             head=((state.head + 1) % staleness).astype(jnp.int32),
@@ -842,7 +842,7 @@ def skip_nonfinite(
         )
 
     def update_fn(updates, state, params=None):
-        _check_state(state, SkipNonfiniteState, "skip_nonfinite")
+        check_state(state, SkipNonfiniteState, "skip_nonfinite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         leaves = [u for u in jax.tree.leaves(new_updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
         finite = (

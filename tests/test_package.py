@@ -57,3 +57,34 @@ def test_jax_version_is_bounded_above():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (jax_dep,) = [d for d in deps if d.startswith("jax")]
     assert "<" in jax_dep
+
+
+def cross_module_private_names() -> list[str]:
+    """``module._name`` uses and ``from jaxcomm... import _name`` across jaxcomm's modules."""
+    hits = []
+    for path in (ROOT / "jaxcomm").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        modules = set()  # names bound to jaxcomm modules in this file
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcomm"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        hits.append(f"{path.name}:{node.lineno} imports {node.module}.{a.name}")
+                    modules.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                ours = [a for a in node.names if a.name.startswith("jaxcomm")]
+                modules |= {a.asname or a.name.split(".")[0] for a in ours}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+            ):
+                hits.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    return hits
+
+
+def test_no_module_reaches_another_modules_private_names():
+    assert cross_module_private_names() == []

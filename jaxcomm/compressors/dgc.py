@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from jaxcomm import buckets, core, exchange
-from jaxcomm.compressors.sparse import _kth_largest
+from jaxcomm.compressors.sparse import kth_largest
 from jaxcomm.exchange import AxisName
 
 __all__ = [
@@ -284,7 +284,7 @@ def _select(v: jax.Array, plan: _Plan, offset: jax.Array, step: jax.Array) -> ja
         rows = a[: plan.n_samples * plan.stride].reshape(plan.n_samples, plan.stride)
         sample = lax.dynamic_index_in_dim(rows, offset, axis=1, keepdims=False)
     tiny = jnp.float32(np.finfo(np.float32).tiny)
-    thr = jnp.maximum(_kth_largest(sample, plan.k_samples), tiny)  # NaN stays NaN
+    thr = jnp.maximum(kth_largest(sample, plan.k_samples), tiny)  # NaN stays NaN
 
     def pack(t):
         words = _pack(~(a < t))  # "not below": NaN entries (or a NaN t) select
@@ -448,7 +448,7 @@ def dgc(
     branch_of_phase = [distinct.index(x) for x in dens]
 
     def init_fn(params):
-        core._check_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
         zeros = lambda: jax.tree.map(  # noqa: E731
             lambda p: jnp.zeros(
                 jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
@@ -466,7 +466,7 @@ def dgc(
         del params
         _check_state(state, updates, momentum_correction)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        core._check_leaves(with_path, "updates")
+        core.check_float_leaves(with_path, "updates")
         exchange.check_per_worker(updates, axis_name)
         exchange.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
@@ -576,9 +576,9 @@ def dgc(
 
     def _varying(xs: list[jax.Array]) -> list[jax.Array]:
         """Per-worker buffers typed varying in every switch branch (a cast; no data moves)."""
-        if axis_name is None or not exchange._manual(axis_name):
+        if axis_name is None or not exchange.is_manual_axis(axis_name):
             return xs
-        return [exchange._as_varying(x, axis_name) for x in xs]
+        return [exchange.as_varying(x, axis_name) for x in xs]
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -303,13 +303,13 @@ def powersgd(
     )
     if matrix_view not in ("first", "last"):
         raise ValueError(f"matrix_view: expected 'first' or 'last', got {matrix_view!r}")
-    raw_key = core._raw_key(key)
+    raw_key = core.key_bits(key)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = core.check_state_dtype(state_dtype)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
-        core._check_leaves(leaves, "params")
+        core.check_float_leaves(leaves, "params")
         plan = _plan([jnp.shape(x) for _, x in leaves], rank, min_rate, matrix_view)
         return PowerSGDState(
             count=jnp.zeros((), jnp.int32),
@@ -418,7 +418,7 @@ def powersgd(
         del params
         _check_state(state, updates, error_feedback=error_feedback, warm_start=warm_start)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        core._check_leaves(with_path, "updates")
+        core.check_float_leaves(with_path, "updates")
         exchange.check_per_worker(updates, axis_name)
         exchange.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
@@ -466,13 +466,13 @@ def _cond(pred, true_fn, false_fn, operand, axis_name):
     marked varying in both (a type cast, no data moves). Outputs (the first
     element) are worker means in both branches and stay invariant.
     """
-    if axis_name is None or not exchange._manual(axis_name):
+    if axis_name is None or not exchange.is_manual_axis(axis_name):
         return lax.cond(pred, true_fn, false_fn, operand)
 
     def typed(fn):
         def branch(s):
             out, *rest = fn(s)
-            rest = jax.tree.map(lambda x: exchange._as_varying(x, axis_name), rest)
+            rest = jax.tree.map(lambda x: exchange.as_varying(x, axis_name), rest)
             return (out, *rest)
 
         return branch

@@ -271,7 +271,7 @@ def randomk(
     )
 
 
-def _kth_largest(a: jax.Array, k: int) -> jax.Array:
+def kth_largest(a: jax.Array, k: int) -> jax.Array:
     """The k-th largest entry of non-negative float32 ``a`` (1-D), without sorting.
 
     Bisection over the uint32 bit patterns (which order like the floats):
@@ -542,7 +542,7 @@ class Threshold(_Sparse):
     length that divides ``d``.
 
     If ``sample_ratio`` is set, a threshold is computed (exactly, without a
-    sort: :func:`_kth_largest`) as the top-``ratio`` magnitude of the sample
+    sort: :func:`kth_largest`) as the top-``ratio`` magnitude of the sample
     ``|p[::s]|``, ``s`` the smallest prime ``>= round(1/sample_ratio)`` (a
     prime stride does not alias with common row lengths), lowered to the
     largest prime ``<= k // 32`` (1 if none) when the sample would otherwise
@@ -610,7 +610,7 @@ class Threshold(_Sparse):
         vals = raw = p[idx]
         if self.sample_ratio is not None:
             sample = jnp.abs(p[:: self._stride(p.shape[0])]).astype(jnp.float32)
-            thr = _kth_largest(sample, core.num_kept(self.ratio, sample.shape[0]))
+            thr = kth_largest(sample, core.num_kept(self.ratio, sample.shape[0]))
             # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
             keep = ~(jnp.abs(vals).astype(jnp.float32) < thr)
             live = keep if live is None else live & keep

@@ -15,7 +15,7 @@ from jaxcomm import buckets, core, sync
 from jaxcomm import exchange as _xc
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
-from jaxcomm.optim import _common
+from jaxcomm.optim import common
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
 
@@ -102,7 +102,7 @@ def onebit_adam(
       with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888.
     """
     warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
-    eps = _common.check_adam_args(b1, b2, eps, weight_decay)
+    eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = _xc.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comm_tx = core.compress(
@@ -115,17 +115,17 @@ def onebit_adam(
     )
 
     def init_fn(params):
-        core._check_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
         return OnebitAdamState(
             count=jnp.zeros((), jnp.int32),
-            mu=_common.zeros_f32(params),
-            nu=_common.zeros_f32(params),
-            comm=comm_tx.init(_common.zeros_f32(params)),
+            mu=common.zeros_f32(params),
+            nu=common.zeros_f32(params),
+            comm=comm_tx.init(common.zeros_f32(params)),
             nonfinite=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(updates, state, params=None):
-        _common.check_state(state, OnebitAdamState, "onebit_adam")
+        common.check_state(state, OnebitAdamState, "onebit_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
         _xc.check_per_worker(updates, axis_name)
@@ -147,9 +147,9 @@ def onebit_adam(
         if warmup_steps == 0:
             mu, nu, comm = compressed(*args)
         else:
-            mu, nu, comm = sync._cond(state.count < warmup_steps, warm, compressed, *args)
+            mu, nu, comm = sync.typed_cond(state.count < warmup_steps, warm, compressed, *args)
 
-        lr = _common.learning_rate_at(learning_rate, state.count)
+        lr = common.learning_rate_at(learning_rate, state.count)
         step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
         if weight_decay:
             step = jax.tree.map(lambda s, p: s + weight_decay * p, step, params)
@@ -157,12 +157,12 @@ def onebit_adam(
 
         # The NaN rule holds for both stages (pmean / compress), so ``ok`` is the
         # same on every worker; state that was finite stays finite.
-        ok = _common.all_finite(mu, nu)
+        ok = common.all_finite(mu, nu)
         return out, OnebitAdamState(
             count=optax.safe_int32_increment(state.count),
-            mu=_common.keep(ok, mu, state.mu),
-            nu=_common.keep(ok, nu, state.nu),
-            comm=_common.keep(ok, comm, state.comm),
+            mu=common.keep(ok, mu, state.mu),
+            nu=common.keep(ok, nu, state.nu),
+            comm=common.keep(ok, comm, state.comm),
             nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
         )
 

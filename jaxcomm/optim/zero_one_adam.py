@@ -15,7 +15,7 @@ from jaxcomm import buckets, core, sync
 from jaxcomm import exchange as _xc
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
-from jaxcomm.optim import _common
+from jaxcomm.optim import common
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
 
@@ -179,7 +179,7 @@ def zero_one_adam(
     var_update_scaler = core.check_int(var_update_scaler, "var_update_scaler", 1)
     local_step_scaler = core.check_int(local_step_scaler, "local_step_scaler", 1)
     local_step_clipper = core.check_int(local_step_clipper, "local_step_clipper", 1)
-    eps = _common.check_adam_args(b1, b2, eps, weight_decay)
+    eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = _xc.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comm_tx = core.compress(
@@ -194,7 +194,7 @@ def zero_one_adam(
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
 
     def init_fn(params):
-        core._check_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
         return ZeroOneAdamState(
             count=zero(),
             var_interval=one(),
@@ -202,10 +202,10 @@ def zero_one_adam(
             local_interval=one(),
             local_counter=zero(),
             lrs=jnp.zeros((), jnp.float32),
-            mu=_common.zeros_f32(params),
-            nu=_common.zeros_f32(params),
-            u=_common.zeros_f32(params),
-            comm=comm_tx.init(_common.zeros_f32(params)),
+            mu=common.zeros_f32(params),
+            nu=common.zeros_f32(params),
+            u=common.zeros_f32(params),
+            comm=comm_tx.init(common.zeros_f32(params)),
             nonfinite=zero(),
         )
 
@@ -217,13 +217,13 @@ def zero_one_adam(
         return step
 
     def update_fn(updates, state, params=None):
-        _common.check_state(state, ZeroOneAdamState, "zero_one_adam")
+        common.check_state(state, ZeroOneAdamState, "zero_one_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
         _xc.check_per_worker(updates, axis_name)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
         p = params if weight_decay else None
-        lr = jnp.asarray(_common.learning_rate_at(learning_rate, state.count), jnp.float32)
+        lr = jnp.asarray(common.learning_rate_at(learning_rate, state.count), jnp.float32)
         s = state.count + 1
         frozen = s > var_freeze_step
         is_var = ~frozen & (s % state.var_interval == 0)
@@ -248,7 +248,7 @@ def zero_one_adam(
                 mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, mu, g)
                 return mu, nu, comm
 
-            mu, nu, comm = sync._cond(is_var, refresh, onebit, g, mu, nu, comm)
+            mu, nu, comm = sync.typed_cond(is_var, refresh, onebit, g, mu, nu, comm)
             out = jax.tree.map(lambda a: -lr * a, direction(mu, nu, p))
             return mu, nu, u, lrs, comm, out
 
@@ -270,20 +270,20 @@ def zero_one_adam(
             def local(mu, u_new, lrs, comm):
                 return mu, u_new, lrs, comm, delta
 
-            mu, u, lrs, comm, out = sync._cond(is_sync, synced, local, mu, u_new, lrs, comm)
+            mu, u, lrs, comm, out = sync.typed_cond(is_sync, synced, local, mu, u_new, lrs, comm)
             return mu, nu, u, lrs, comm, out
 
         args = (grads, state.mu, state.nu, state.u, state.lrs, comm0, p)
         if var_freeze_step == 0:
             mu, nu, u, lrs, comm, out = frozen_stage(*args)
         else:
-            mu, nu, u, lrs, comm, out = sync._cond(frozen, frozen_stage, variance_stage, *args)
+            mu, nu, u, lrs, comm, out = sync.typed_cond(frozen, frozen_stage, variance_stage, *args)
         out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
 
         # ``ok`` is the same on every worker on steps that communicate (pmean and
         # compress spread a non-finite input to everyone); per worker on local
         # steps, where Λ (a sum of the schedule) advances regardless.
-        ok = _common.all_finite(mu, nu, u)
+        ok = common.all_finite(mu, nu, u)
         vc = state.var_counter + is_var.astype(jnp.int32)
         roll_v = is_var & (vc == var_update_scaler)
         lc = state.local_counter + frozen.astype(jnp.int32)
@@ -296,10 +296,10 @@ def zero_one_adam(
             local_interval=jnp.where(roll_l, doubled, state.local_interval),
             local_counter=jnp.where(roll_l, 0, lc),
             lrs=jnp.where(ok | (frozen & ~is_sync), lrs, state.lrs),
-            mu=_common.keep(ok, mu, state.mu),
-            nu=_common.keep(ok, nu, state.nu),
-            u=_common.keep(ok, u, state.u),
-            comm=_common.keep(ok, comm, comm0),
+            mu=common.keep(ok, mu, state.mu),
+            nu=common.keep(ok, nu, state.nu),
+            u=common.keep(ok, u, state.u),
+            comm=common.keep(ok, comm, comm0),
             nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
         )
 

@@ -23,7 +23,7 @@ def check_adam_args(b1: Any, b2: Any, eps: Any, weight_decay: Any) -> float:
 
 
 # The state-class check the sync wrappers use (same message).
-check_state = sync._check_state
+check_state = sync.check_state
 
 
 def zeros_f32(params: Any) -> Any:
