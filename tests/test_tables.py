@@ -1,0 +1,61 @@
+"""Measured tables are generated from experiments/results/*.json and still match them."""
+
+import os
+import re
+
+import pytest
+
+from experiments.studies import tables
+
+
+def readme() -> str:
+    with open(tables.README) as f:
+        return f.read()
+
+
+def blocks(text):
+    return {m.group(2): m for m in tables.BLOCK.finditer(text)}
+
+
+def edit_one_number(body: str) -> str:
+    """``body`` with the first decimal number of its first table row changed in its last digit."""
+    row = next(
+        line
+        for line in body.splitlines()
+        if line.startswith("| ") and not line.startswith("| method") and re.search(r"\d\.\d", line)
+    )
+    num = re.search(r"\d+\.\d+", row)
+    edited = num.group()[:-1] + str((int(num.group()[-1]) + 1) % 10)
+    return body.replace(row, row[: num.start()] + edited + row[num.end() :], 1)
+
+
+def test_the_lm_study_table_is_a_generated_block_of_the_readme():
+    assert "lm_study" in blocks(readme())
+
+
+def test_every_generated_block_and_study_file_equals_its_json():
+    assert tables.mismatches(readme()) == []
+    assert tables.stale_documents() == []
+
+
+def test_editing_one_number_of_the_readme_fails_the_check():
+    text = readme()
+    m = blocks(text)["lm_study"]
+    edited = text[: m.start(3)] + edit_one_number(m.group(3)) + text[m.end(3) :]
+    assert edited != text
+    assert tables.mismatches(edited) == ["lm_study"]
+    assert tables.mismatches(tables.regenerate(edited)) == []
+
+
+@pytest.mark.parametrize("name", sorted(tables.DOCUMENTS))
+def test_editing_one_number_of_a_study_file_fails_the_check(name, tmp_path, monkeypatch):
+    fname = tables.DOCUMENTS[name][0]
+    with open(os.path.join(tables.RESULTS, fname)) as f:
+        text = f.read()
+    # a copy of the results folder with one number of this study's markdown edited
+    for other in os.listdir(tables.RESULTS):
+        os.symlink(os.path.join(tables.RESULTS, other), tmp_path / other)
+    os.remove(tmp_path / fname)
+    (tmp_path / fname).write_text(edit_one_number(text))
+    monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
+    assert tables.stale_documents() == [name]
