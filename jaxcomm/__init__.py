@@ -1,6 +1,6 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, distributed, exchange, netsim, optim, sync
+from jaxcomm import accounting, core, distributed, exchange, netsim, optim, parallel, sync
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -11,6 +11,7 @@ from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
 from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
+from jaxcomm.parallel import data_parallel, init_state
 from jaxcomm.sync import (
     accumulate,
     delayed_averaging,
@@ -30,6 +31,7 @@ __all__ = [
     "accumulate",
     "allreduce",
     "cast",
+    "data_parallel",
     "compress",
     "core",
     "delayed_averaging",
@@ -40,12 +42,14 @@ __all__ = [
     "ef_sign",
     "exchange",
     "hierarchical",
+    "init_state",
     "int8",
     "local_sgd",
     "netsim",
     "onebit",
     "onebit_adam",
     "optim",
+    "parallel",
     "powersgd",
     "qsgd",
     "randomk",
