@@ -185,11 +185,12 @@ rank-deficient gradients give zeros, never NaN. Its matrix view suits
 JAX/Flax layouts (out-features last): a leaf is
 `(prod(shape[:-1]), shape[-1])`, so an HWIO conv kernel `(3, 3, Cin, Cout)`
 is a `(9·Cin, Cout)` matrix. `matrix_view="first"` is torch's
-`(shape[0], rest)`, for torch-layout weights; on Flax weights it can leave
-most conv kernels dense (on a Flax ResNet-18, 19 of 21), where the default
-compresses them all. `jaxcomm.compressors.powersgd.leaf_plan(params, rank)`
-lists every leaf: compressed or dense, and why (1-D, or
-`(a+b)·r·rate >= a·b`).
+`(shape[0], rest)`, for torch-layout weights; on Flax weights it leaves
+every conv kernel with kh ≤ 4 dense (a `(kh, kw·Cin·Cout)` matrix cannot
+save 2× at rank 2; on the ResNet-18 of `experiments/models.py`, all 20),
+where the default compresses them all.
+`jaxcomm.compressors.powersgd.leaf_plan(params, rank)` lists every leaf:
+compressed or dense, and why (1-D, or `(a+b)·r·rate >= a·b`).
 
 ## Conventions shared by every compressor
 
@@ -300,7 +301,8 @@ workers are added (int8 moves as much as dense fp32 at n = 8). With
 A worker sends 2(n−1)/n·s: the ring bound at the compressed size, and
 decode work no longer grows with n. Two-phase stays at the codec's ratio of
 the dense ring for every n (int8 0.252, EF-sign 0.031, bf16 0.500), where
-the all-gather passes dense fp32 at n = 8 (int8) and n = 64 (1-bit).
+the all-gather passes dense fp32 at n = 8 (int8) and n = 64 (1-bit): byte
+counts, tabulated for n = 2 to 64 in `experiments/results/two_phase.json`.
 
 ## The default, `exchange="auto"`, is chosen by bytes
 
@@ -730,11 +732,12 @@ exceed torch's, which casts the whole bucket, by those leaves.
 
 **Why `cast(float16)` widens on CPU.** XLA:CPU's gloo communicator sums
 `F16` in scalar software (half → float → half per element), slower than
-fp32. So on CPU `cast(float16)` rounds each worker's g/n to fp16 (the same
-values as on GPU) and widens it to float32 for the sum (`Cast.widened()`;
-the wire report says 4 bytes per entry; GPU/TPU keep the 16-bit
-all-reduce). The bf16 psum `bench_peers` pins also moves 4 bytes per entry
-on CPU, where torch's gloo moves 2.
+fp32 (`bench_peers --part=castcost`, in `experiments/results/peers.json`).
+So on CPU `cast(float16)` rounds each worker's g/n to fp16 (the same values
+as on GPU) and widens it to float32 for the sum (`Cast.widened()`; the wire
+report says 4 bytes per entry; GPU/TPU keep the 16-bit all-reduce). The
+bf16 psum `bench_peers` pins also moves 4 bytes per entry on CPU, where
+torch's gloo moves 2.
 
 # When is the network the bottleneck? (`jaxcomm.netsim`)
 
