@@ -65,3 +65,12 @@ __all__ = [
     "wire_bytes",
     "zero_one_adam",
 ]
+
+
+def __getattr__(name: str):
+    # jaxcomm.flax imports flax: loaded on first use, so plain-optax users never import it
+    if name == "flax":
+        import importlib
+
+        return importlib.import_module("jaxcomm.flax")
+    raise AttributeError(f"module 'jaxcomm' has no attribute {name!r}")

@@ -64,7 +64,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["data_parallel", "init_state", "is_worker_state"]
+__all__ = ["axis_size", "data_parallel", "init_state", "is_worker_state", "state_mask"]
 
 # wrappers whose params differ per worker between synchronisations
 _PER_WORKER_PARAMS = ("LocalSGDState", "DiLoCoState")
@@ -80,7 +80,7 @@ def is_worker_state(x: Any) -> bool:
     )
 
 
-def _axis_size(mesh: Mesh, axis_name: str) -> int:
+def axis_size(mesh: Mesh, axis_name: str) -> int:
     if axis_name not in mesh.shape:
         raise ValueError(
             f"axis_name={axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})"
@@ -88,7 +88,7 @@ def _axis_size(mesh: Mesh, axis_name: str) -> int:
     return mesh.shape[axis_name]
 
 
-def _worker_mask(tree: Any) -> Any:
+def state_mask(tree: Any) -> Any:
     """``tree``'s structure with True on every leaf inside a jaxcomm state, False elsewhere."""
 
     def mark(node):
@@ -122,9 +122,9 @@ def init_state(
     Returns:
       The optimizer state, placed on ``mesh``.
     """
-    n = _axis_size(mesh, axis_name)
+    n = axis_size(mesh, axis_name)
     state = tx.init(params)
-    mask = _worker_mask(state)
+    mask = state_mask(state)
 
     def place(x, per_worker):
         if per_worker:
@@ -190,6 +190,7 @@ def data_parallel(
     batch_argnums: Sequence[int] = (-1,),
     mean_outputs: Sequence[int] = (),
     donate_argnums: Sequence[int] = (),
+    worker_mask: Callable[[Any], Any] | None = None,
 ) -> Callable:
     """Make one worker's training step a jitted data-parallel step over ``mesh``.
 
@@ -206,6 +207,9 @@ def data_parallel(
         loss; other outputs that are not jaxcomm state must already be equal
         on every worker (what a jaxcomm transform's update makes them).
       donate_argnums: arguments whose buffers may be reused (``jax.jit``'s).
+      worker_mask: ``tree -> tree of bools`` marking the per-worker leaves of
+        an argument or output; default: the leaves inside a jaxcomm state
+        (:func:`state_mask`). :mod:`jaxcomm.flax` passes one for nnx.
 
     Returns:
       ``step(*args) -> outputs`` on global arrays: jaxcomm state with its
@@ -224,8 +228,10 @@ def data_parallel(
             batch_argnums=batch_argnums,
             mean_outputs=mean_outputs,
             donate_argnums=donate_argnums,
+            worker_mask=worker_mask,
         )
-    n = _axis_size(mesh, axis_name)
+    mask_of = worker_mask or state_mask
+    n = axis_size(mesh, axis_name)
     one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
     compiled: dict[Any, Callable] = {}
     last: list[Any] = [None]
@@ -250,7 +256,7 @@ def data_parallel(
                         else (jax.lax.pmean(x, axis_name) if avg and _floating(x) else x)
                     ),
                     o,
-                    _worker_mask(o),
+                    mask_of(o),
                 )
                 for k, o in enumerate(outs)
             )
@@ -258,7 +264,7 @@ def data_parallel(
 
         def out_specs_of(shapes):
             shapes = shapes if isinstance(shapes, tuple) else (shapes,)
-            return tuple(jax.tree.map(lambda m: P(axis_name) if m else P(), _worker_mask(o))
+            return tuple(jax.tree.map(lambda m: P(axis_name) if m else P(), mask_of(o))
                          for o in shapes)  # fmt: skip
 
         # the output layout follows from the step's output tree: trace it once
@@ -274,7 +280,7 @@ def data_parallel(
 
     def step(*args):
         batch = {k % len(args) for k in batch_argnums}
-        masks = tuple(_worker_mask(a) for a in args)
+        masks = tuple(mask_of(a) for a in args)
         if not any(any(jax.tree.leaves(m)) for m in masks):
             raise ValueError(
                 "data_parallel: no jaxcomm transform's state among the step's arguments, so "

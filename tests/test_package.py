@@ -14,10 +14,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DIST = {"jax": "jax", "optax": "optax", "numpy": "numpy", "chex": "chex"}
 
 
-def third_party_imports() -> set[str]:
-    """Top-level modules imported anywhere in jaxcomm/ (lazy imports included), stdlib excluded."""
+# modules behind an optional extra, imported only when used: module -> extra
+OPTIONAL = {"flax.py": "flax"}
+
+
+def third_party_imports(files=None) -> set[str]:
+    """Top-level modules imported in jaxcomm/ (lazy imports included), stdlib excluded.
+
+    ``files``: the paths to read; default every module but the :data:`OPTIONAL` ones.
+    """
     found = set()
-    for path in (ROOT / "jaxcomm").rglob("*.py"):
+    if files is None:
+        files = [p for p in (ROOT / "jaxcomm").rglob("*.py") if p.name not in OPTIONAL]
+    for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {a.name.split(".")[0] for a in node.names}
@@ -35,6 +44,18 @@ def test_runtime_dependencies_are_exactly_what_jaxcomm_imports():
     imports = third_party_imports()
     assert imports == {"jax", "optax", "numpy"}
     assert runtime_dependencies() == {DIST[m] for m in imports}
+
+
+def test_jaxcomm_flax_is_optional_and_imports_only_flax_beyond_the_core():
+    (path,) = [p for p in (ROOT / "jaxcomm").rglob("flax.py")]
+    assert third_party_imports([path]) - {"jax", "optax", "numpy"} == {"flax"}
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("flax") for d in extras["optional-dependencies"]["flax"])
+    import subprocess
+
+    probe = "import jaxcomm, sys; assert 'flax' not in sys.modules; jaxcomm.flax.data_parallel"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
 
 
 def test_experiments_only_packages_are_not_runtime_dependencies():
