@@ -1,6 +1,6 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, distributed, exchange, netsim, optim, parallel, sync
+from jaxcomm import accounting, core, distributed, exchange, guide, netsim, optim, parallel, sync
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -41,6 +41,7 @@ __all__ = [
     "distributed",
     "ef_sign",
     "exchange",
+    "guide",
     "hierarchical",
     "init_state",
     "int8",

@@ -35,8 +35,6 @@ backend; ``wire_report(..., backend="gpu")`` plans for a GPU cluster from a
 CPU machine.
 """
 
-from __future__ import annotations
-
 import math
 import re
 from collections.abc import Mapping

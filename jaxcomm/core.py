@@ -12,8 +12,6 @@ any object following the :class:`Compressor` protocol. The named methods
 (:func:`jaxcomm.topk`, :func:`jaxcomm.cast`, ...) are thin factories over it.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable

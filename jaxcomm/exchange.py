@@ -13,8 +13,6 @@ here. That gives one place to
   stand in for the collective by shape alone, so no devices or mesh are needed.
 """
 
-from __future__ import annotations
-
 import contextlib
 import math
 import threading

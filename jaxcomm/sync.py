@@ -29,8 +29,6 @@ must be equal on all workers (they are when every worker starts from the same
 ``init``); workers disagreeing about a sync step would deadlock.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any, NamedTuple
 

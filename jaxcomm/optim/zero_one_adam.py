@@ -3,8 +3,6 @@
 See :mod:`jaxcomm.optim` for why the variance is frozen.
 """
 
-from __future__ import annotations
-
 from typing import Any, NamedTuple
 
 import jax
