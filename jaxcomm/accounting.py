@@ -106,7 +106,9 @@ def wire_report(
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
-    with exchange.recording(n_workers, backend) as ledger:
+    # traced outside any mesh the caller set (jax.set_mesh): the ledger simulates the axes
+    no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+    with no_mesh, exchange.recording(n_workers, backend) as ledger:
         # a fresh function: jax caches traces by function, and init may depend on n
         state = jax.eval_shape(lambda p: tx.init(p), abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)

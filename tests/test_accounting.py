@@ -207,3 +207,15 @@ def test_bf16_collectives_hlo_equals_the_report_on_this_backend():
         assert jaxcomm.wire_bytes(psum, params, 8, backend=backend) == per_entry * (4096 + 64)
     with pytest.raises(ValueError, match="backend"):
         jaxcomm.wire_bytes(psum, params, 8, backend="metal")
+
+
+def test_wire_bytes_under_a_global_explicit_mesh():
+    """jax.set_mesh with Explicit axes (jax.make_mesh's default) does not change the count.
+
+    It used to raise ShardingTypeError from the bucket packing, typed by the caller's mesh.
+    """
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data", min_size=0), optax.sgd(0.1))
+    outside = jaxcomm.wire_bytes(tx, PARAMS, 8)
+    with jax.set_mesh(mesh):
+        assert jaxcomm.wire_bytes(tx, PARAMS, 8) == outside > 0
