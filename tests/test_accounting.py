@@ -215,7 +215,8 @@ def test_wire_bytes_under_a_global_explicit_mesh():
     It used to raise ShardingTypeError from the bucket packing, typed by the caller's mesh.
     """
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data", min_size=0), optax.sgd(0.1))
+    # "b" is below top-k's min_size: packed into a dense bucket, where the error was raised
+    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1))
     outside = jaxcomm.wire_bytes(tx, PARAMS, 8)
     with jax.set_mesh(mesh):
         assert jaxcomm.wire_bytes(tx, PARAMS, 8) == outside > 0
