@@ -270,6 +270,18 @@ def state_class(compressor: Any) -> type:
     return cls
 
 
+def check_scalar_count(state: Any, fn: str) -> None:
+    """A state's ``count`` is a scalar; a leading worker axis left on the state is named."""
+    count = getattr(state, "count", None)
+    if count is not None and jnp.ndim(count) != 0:
+        raise ValueError(
+            f"state.count of {fn} has shape {jnp.shape(count)}, expected a scalar: the state "
+            "still carries its leading worker axis. Inside shard_map, slice it off before "
+            "update (jax.tree.map(lambda a: a[0], state)) and add it back after (a[None]), or "
+            "let jaxcomm.data_parallel do both."
+        )
+
+
 def _check_state(
     state: Any, updates: Any, *, error_feedback: bool, needs_key: bool, cls: type = CompressState
 ) -> None:
@@ -279,6 +291,7 @@ def _check_state(
             f"{type(state).__name__}. Pass the state returned by tx.init(params) of the same "
             f"transform."
         )
+    check_scalar_count(state, cls.__name__)
     if needs_key and state.key is None:
         raise ValueError(
             "state: this transform needs a PRNG key in its state but state.key is None; the "

@@ -182,6 +182,7 @@ def check_state(state: Any, cls: type, fn: str) -> None:
             f"state: expected the {cls.__name__} made by {fn}(...).init(params), got "
             f"{type(state).__name__}"
         )
+    core.check_scalar_count(state, fn)
 
 
 def _require_params(params: Any, fn: str) -> None:

@@ -276,3 +276,28 @@ def test_two_processes_helper_equals_hand_written_and_restores_bit_exactly(tmp_p
         np.testing.assert_array_equal(r[f"{name}_helper"], r[f"{name}_hand"], err_msg=name)
     np.testing.assert_array_equal(r["topk_restored"], r["topk_helper"])
     assert not np.allclose(r["topk_helper"], r["allreduce_helper"], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomm.allreduce(axis_name=AXIS),
+        lambda: jaxcomm.topk(0.05, axis_name=AXIS, min_size=0),
+        lambda: jaxcomm.local_sgd(optax.sgd(0.1), every=2, axis_name=AXIS),
+    ],
+    ids=["allreduce", "topk", "local_sgd"],
+)
+def test_a_worker_axis_left_on_the_state_is_named(make):
+    """The hand-written step that forgets to slice the worker axis off gets told so."""
+    params, batches = setup()
+    tx = make()
+    state = jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *jnp.shape(a))), tx.init(params))
+    grads = jax.tree.map(lambda p: jnp.ones((N, *p.shape)), params)
+    mesh = make_mesh(AxisType.Auto)
+
+    def step(g, s):  # the slicing of the worker axis (a[0]) forgotten
+        return tx.update(g, s, params)[0]
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS))
+    with pytest.raises(ValueError, match=r"state.count .* shape \(1,\).*leading worker axis"):
+        f(grads, state)
