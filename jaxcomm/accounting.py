@@ -45,8 +45,7 @@ import jax.extend
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import exchange
-from jaxcomm.exchange import Collective
+from jaxcomm.ledger import MARKER, Collective, recording
 
 __all__ = [
     "Collective",
@@ -101,14 +100,14 @@ def wire_report(
         ``"gpu"`` on a laptop to plan for a GPU cluster.
 
     Returns:
-      A list of :class:`jaxcomm.exchange.Collective`.
+      A list of :class:`jaxcomm.ledger.Collective`.
     """
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), params
     )
     # traced outside any mesh the caller set (jax.set_mesh): the ledger simulates the axes
     no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-    with no_mesh, exchange.recording(n_workers, backend) as ledger:
+    with no_mesh, recording(n_workers, backend) as ledger:
         # a fresh function: jax caches traces by function, and init may depend on n
         state = jax.eval_shape(lambda p: tx.init(p), abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)
@@ -130,7 +129,7 @@ def _find_markers(jaxpr: Any, found: set[int]) -> None:
                     _find_markers(sub, found)
 
 
-_MARK = re.compile(exchange.MARKER + r"(\d+)")
+_MARK = re.compile(MARKER + r"(\d+)")
 
 
 def wire_bytes(
@@ -337,7 +336,7 @@ def hlo_collectives(compiled: Any, *, n_devices: int | None = None) -> list[Coll
       n_devices: group size to assume where the HLO gives no replica groups.
 
     Returns:
-      One :class:`jaxcomm.exchange.Collective` per collective instruction;
+      One :class:`jaxcomm.ledger.Collective` per collective instruction;
       ``nbytes`` is the operand size per participant (all-gather: result /
       group size; reduce-scatter: result × group size), ``axis`` the group size,
       ``operands`` the number of arrays the instruction carries (XLA may

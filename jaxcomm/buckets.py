@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomm import exchange
-from jaxcomm.exchange import AxisName
+from jaxcomm import collectives
+from jaxcomm.collectives import AxisName
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -105,7 +105,7 @@ def plan(sizes: Sequence[int], keys: Sequence[Any], bucket_bytes: int | None) ->
 
 
 def _varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    return exchange.as_varying(x, axis_name)
+    return collectives.as_varying(x, axis_name)
 
 
 def _after(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
@@ -207,20 +207,20 @@ def psum(
     Returns:
       The sums, a list in the order of ``arrays``, with their shapes and dtypes.
     """
-    return _reduce(arrays, axis_name, bucket_bytes, exchange.psum)
+    return _reduce(arrays, axis_name, bucket_bytes, collectives.psum)
 
 
 def pmax(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
-    """Elementwise max over workers (``exchange.agree``), one all-reduce per bucket."""
-    return _reduce(arrays, axis_name, bucket_bytes, exchange.agree)
+    """Elementwise max over workers (``collectives.agree``), one all-reduce per bucket."""
+    return _reduce(arrays, axis_name, bucket_bytes, collectives.agree)
 
 
 def pmean(tree: Any, axis_name: AxisName, bucket_bytes: int | None) -> Any:
     """Mean of every leaf of ``tree`` over ``axis_name``, in the leaf's dtype, bucketed."""
     leaves, treedef = jax.tree.flatten(tree)
-    n = exchange.axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     sums = psum(leaves, axis_name, bucket_bytes)
     return treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
 
@@ -231,21 +231,21 @@ def psum_scatter(
     """This worker's chunk of the sum of each ``(n * c_i,)`` array: one reduce-scatter per bucket.
 
     Worker j gets entries ``[j * c_i, (j + 1) * c_i)`` of every summed array,
-    as :func:`jaxcomm.exchange.psum_scatter` gives for one array. A bucket
+    as :func:`jaxcomm.collectives.psum_scatter` gives for one array. A bucket
     (one dtype) lays its arrays out as ``(n, sum c_i)``, so that the j-th
     contiguous block of the bucket is every array's chunk j.
     """
     arrays = [jnp.asarray(x) for x in arrays]
-    n = exchange.axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     out: list[jax.Array | None] = [None] * len(arrays)
     keys = [jnp.result_type(x) for x in arrays]
     prev = None
     for bucket in plan([_nbytes(x) for x in arrays], keys, bucket_bytes):
         if not bucket_bytes:
-            out[bucket[0]] = exchange.psum_scatter(arrays[bucket[0]], axis_name)
+            out[bucket[0]] = collectives.psum_scatter(arrays[bucket[0]], axis_name)
             continue
         rows = pack([arrays[i].reshape(n, -1) for i in bucket], axis_name, prev)
-        shard = prev = exchange.psum_scatter(rows.reshape(-1), axis_name)
+        shard = prev = collectives.psum_scatter(rows.reshape(-1), axis_name)
         offset = 0
         for i in bucket:
             c = arrays[i].shape[0] // n
@@ -277,23 +277,23 @@ def _from_bytes(b: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
 def all_to_all(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
-    """Row exchange (:func:`jaxcomm.exchange.all_to_all`) of ``(n, ...)`` arrays, bucketed.
+    """Row exchange (:func:`jaxcomm.collectives.all_to_all`) of ``(n, ...)`` arrays, bucketed.
 
     Each array's rows are bit-cast to bytes, a bucket lays them out as
     ``(n, total bytes)`` (row j: every array's row j), one all-to-all moves
     the bucket, and the rows are cut back and bit-cast to their dtypes.
     """
     arrays = [jnp.asarray(x) for x in arrays]
-    n = exchange.axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     out: list[jax.Array | None] = [None] * len(arrays)
     sizes = [_nbytes(x) // n for x in arrays]  # bytes per row
     prev = None
     for bucket in plan([s * n for s in sizes], [None] * len(arrays), bucket_bytes):
         if not bucket_bytes:
-            out[bucket[0]] = exchange.all_to_all(arrays[bucket[0]], axis_name)
+            out[bucket[0]] = collectives.all_to_all(arrays[bucket[0]], axis_name)
             continue
         rows = [_rows_to_bytes(arrays[i], n) for i in bucket]
-        moved = prev = exchange.all_to_all(pack(rows, axis_name, prev), axis_name)
+        moved = prev = collectives.all_to_all(pack(rows, axis_name, prev), axis_name)
         offset = 0
         for i in bucket:
             piece = moved[:, offset : offset + sizes[i]]
@@ -330,10 +330,10 @@ def all_gather(
     prev = None
     for bucket in plan(sizes, [None] * len(arrays), bucket_bytes):
         if not bucket_bytes:
-            out[bucket[0]] = exchange.all_gather(arrays[bucket[0]], axis_name)
+            out[bucket[0]] = collectives.all_gather(arrays[bucket[0]], axis_name)
             continue
         flat = pack([_to_bytes(arrays[i]) for i in bucket], axis_name, prev)
-        gathered = prev = exchange.all_gather(flat, axis_name)  # (n, bytes)
+        gathered = prev = collectives.all_gather(flat, axis_name)  # (n, bytes)
         offset = 0
         for i in bucket:
             piece = gathered[:, offset : offset + sizes[i]]

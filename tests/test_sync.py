@@ -4,7 +4,7 @@ Most tests run a per-worker quadratic problem (worker i has loss
 ``sum(A_i * w**2 / 2 - B_i * w)``, gradient ``A_i * w - B_i``) for a few steps
 under ``jax.shard_map`` with params kept per worker, and compare with a
 float64 NumPy reference of the algorithm. Collectives are counted as they
-execute: ``exchange.psum``/``all_gather`` are wrapped with a host callback.
+execute: ``collectives.psum``/``all_gather`` are wrapped with a host callback.
 """
 
 import math
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from experiments import digits
-from jaxcomm import exchange
+from jaxcomm import collectives
 from jaxcomm.compressors.dense import Dense
 from jaxcomm.compressors.sparse import RandomK
 from jaxcomm.sync import accumulate, delayed_averaging, diloco, local_sgd, stale
@@ -110,7 +110,7 @@ def run(tx, steps, *, seed=0, a=None, b=None, how="shard_map", on_step=None, fix
 
 @pytest.fixture
 def exchanges(monkeypatch):
-    """Steps at which a collective executed: exchange.psum/all_gather report to the host."""
+    """Steps at which a collective executed: collectives.psum/all_gather report to the host."""
     log, current = [], [None]
 
     def wrap(fn):
@@ -122,8 +122,8 @@ def exchanges(monkeypatch):
 
         return counted
 
-    monkeypatch.setattr(exchange, "psum", wrap(exchange.psum))
-    monkeypatch.setattr(exchange, "all_gather", wrap(exchange.all_gather))
+    monkeypatch.setattr(collectives, "psum", wrap(collectives.psum))
+    monkeypatch.setattr(collectives, "all_gather", wrap(collectives.all_gather))
 
     class Counter:
         def on_step(self, t):

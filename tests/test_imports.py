@@ -1,0 +1,127 @@
+"""jaxcomm's modules import each other without a cycle (imports inside functions included).
+
+The layers, bottom up: ``ledger`` (the byte ledger) and ``collectives`` (thin
+wrappers over lax collectives) import nothing of jaxcomm but the ledger;
+``buckets`` (tensor fusion) is built on them; ``accounting`` reads the ledger
+and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) sits on top.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxcomm"
+# the package's __init__ (it imports everything, and importing any submodule runs it first),
+# the guide (a docstring only) and the optional flax integration: not read as importers
+NOT_SOURCES = {"jaxcomm/__init__.py", "jaxcomm/guide.py", "jaxcomm/flax.py"}
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Every module under jaxcomm/: dotted name -> path."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: pathlib.Path, known: set[str], root: pathlib.Path = ROOT) -> set[str]:
+    """The jaxcomm modules ``path`` imports anywhere in its body (functions included).
+
+    ``from jaxcomm import buckets`` names module ``jaxcomm.buckets``; ``from
+    jaxcomm.compressors.sparse import f`` names ``jaxcomm.compressors.sparse``;
+    relative imports are resolved against the file's package.
+    """
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "jaxcomm"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "jaxcomm":
+                continue
+            for a in node.names:
+                sub = f"{source}.{a.name}"
+                found.add(sub if sub in known else source)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {
+        name: imported(path, known)
+        for name, path in mods.items()
+        if path.relative_to(ROOT).as_posix() not in NOT_SOURCES
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or ``None`` if it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"a"}}) == ["a", "a"]
+
+
+def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
+    pkg = tmp_path / "jaxcomm"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("def f():\n    from jaxcomm import b\n")
+    (pkg / "b.py").write_text("from jaxcomm.sub.c import g\nimport jaxcomm.a\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import a\nfrom . import d\nfrom .d import h\n")
+    (pkg / "sub" / "d.py").write_text("")
+    known = {"jaxcomm.a", "jaxcomm.b", "jaxcomm.sub", "jaxcomm.sub.c", "jaxcomm.sub.d"}
+    files = {p.name: p for p in pkg.rglob("*.py")}
+    assert imported(files["a.py"], known, tmp_path) == {"jaxcomm.b"}
+    assert imported(files["b.py"], known, tmp_path) == {"jaxcomm.sub.c", "jaxcomm.a"}
+    assert imported(files["c.py"], known, tmp_path) == {"jaxcomm.a", "jaxcomm.sub.d"}
+
+
+def test_jaxcomm_modules_import_each_other_without_a_cycle():
+    graph = import_graph()
+    assert "jaxcomm.core" in graph and "jaxcomm.buckets" in graph["jaxcomm.core"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_communication_layers():
+    graph = import_graph()
+    assert graph["jaxcomm.ledger"] == set()
+    assert graph["jaxcomm.collectives"] <= {"jaxcomm.ledger"}
+    assert graph["jaxcomm.buckets"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
+    assert graph["jaxcomm.accounting"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
