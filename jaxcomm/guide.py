@@ -955,9 +955,12 @@ top-k break-even, measured against predicted step times from
 
     jaxcomm/
       core.py          Compressor protocol, compress() (EF memory, encode, exchange, decode)
-      exchange.py      psum / all_gather / reduce-scatter / all-to-all / ppermute, ring
-                       all-reduce, two-phase exchange, compressed reduce-scatter,
-                       hierarchical exchange; byte ledger
+      ledger.py        the byte ledger: what a transform sends (Collective records)
+      collectives.py   psum / all_gather / reduce-scatter / all-to-all / ppermute
+                       wrappers that record to the ledger; as_varying, axis checks
+      buckets.py       tensor fusion: one collective per bucket of payloads
+      exchange.py      ring all-reduce, two-phase exchange, compressed reduce-scatter,
+                       hierarchical exchange
       compressors/     dense.py (allreduce, cast), sparse.py (topk, randomk, threshold),
                        quantize.py (int8, qsgd, terngrad), sign.py (onebit, ef_sign,
                        sign_majority, twobit), packing.py (bit packing), dgc.py,
@@ -968,10 +971,11 @@ top-k break-even, measured against predicted step times from
       accounting.py    wire_bytes / wire_report / traffic_bytes; collective bytes in HLO
       netsim.py        alpha-beta cost model, step-time model, what-if analysis
       distributed.py   jax.distributed start-up, global mesh, per-process data
-      buckets.py       tensor fusion: one collective per bucket of payloads
+      parallel.py      data_parallel / init_state: the data-parallel step helper
+      flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
     experiments/       main.py + train.py + configs/ (launcher); compare.py (the comparison
-                       job); bench_*.py, threshold_fill.py, whatif.py, sync_sweep.py;
+                       job); examples/ (nnx and linen loops); bench_*.py, threshold_fill.py, whatif.py, sync_sweep.py;
                        launch.py, netlab/, netstudy.py (real processes, shaped links);
                        torch_peers.py (PyTorch DDP twins); studies/ (the LM study, verdict
                        rules, generated tables); results/ (the JSON behind every table)
