@@ -272,7 +272,7 @@ def state_class(compressor: Any) -> type:
 
 def check_scalar_count(state: Any, fn: str) -> None:
     """A state's ``count`` is a scalar; a leading worker axis left on the state is named."""
-    count = getattr(state, "count", None)
+    count = state.count if "count" in getattr(type(state), "_fields", ()) else None
     if count is not None and jnp.ndim(count) != 0:
         raise ValueError(
             f"state.count of {fn} has shape {jnp.shape(count)}, expected a scalar: the state "
