@@ -191,6 +191,7 @@ def data_parallel(
     mean_outputs: Sequence[int] = (),
     donate_argnums: Sequence[int] = (),
     worker_mask: Callable[[Any], Any] | None = None,
+    wait_previous: bool | None = None,
 ) -> Callable:
     """Make one worker's training step a jitted data-parallel step over ``mesh``.
 
@@ -210,6 +211,9 @@ def data_parallel(
       worker_mask: ``tree -> tree of bools`` marking the per-worker leaves of
         an argument or output; default: the leaves inside a jaxcomm state
         (:func:`state_mask`). :mod:`jaxcomm.flax` passes one for nnx.
+      wait_previous: wait for the previous step before dispatching the next
+        (see the module docstring); ``None``: exactly on XLA:CPU with several
+        devices in this process.
 
     Returns:
       ``step(*args) -> outputs`` on global arrays: jaxcomm state with its
@@ -229,10 +233,13 @@ def data_parallel(
             mean_outputs=mean_outputs,
             donate_argnums=donate_argnums,
             worker_mask=worker_mask,
+            wait_previous=wait_previous,
         )
     mask_of = worker_mask or state_mask
     n = axis_size(mesh, axis_name)
-    one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
+    one_in_flight = wait_previous
+    if one_in_flight is None:
+        one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
     compiled: dict[Any, Callable] = {}
     last: list[Any] = [None]
 
