@@ -638,6 +638,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     os.makedirs(workdir, exist_ok=True)
     mngr = checkpoint_manager(workdir)
     start, state = restore_latest_good(mngr, state, n, workdir)
+    if start and lead:
+        print(f"resumed from the checkpoint of step {start} in {workdir}", flush=True)
     state = distributed.shard_rows(state, mesh, AXIS)
     x_train, y_train = distributed.shard_rows((ds.x_train, ds.y_train), mesh, AXIS)
 

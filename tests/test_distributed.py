@@ -125,6 +125,11 @@ def test_kill9_then_resume_equals_uninterrupted(tmp_path):
 
     resumed = launch(2, 1, *main, f"--workdir={work}")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    # it resumed from a checkpoint the killed run wrote (the newest complete one), not from
+    # step 0, which would also end equal
+    (step,) = map(int, re.findall(r"resumed from the checkpoint of step (\d+) ", resumed.stdout))
+    assert step in done and step >= 100, (step, done)
+    assert "resumed from" not in full.stdout
     a, b = _load_params(tmp_path / "full", 600), _load_params(work, 600)
     import jax
 
