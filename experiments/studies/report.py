@@ -40,11 +40,26 @@ def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:
     return first["train_s"] + (steps - first["steps"]) * probe["step_s"]
 
 
+def complete_groups(results: dict) -> tuple[list[int], dict[int, str]]:
+    """Process counts whose grid is complete (every method x seed), and why the others are not."""
+    done, missing = [], {}
+    for n in sorted({r["n"] for r in results["runs"]}):
+        runs = [r for r in results["runs"] if r["n"] == n]
+        methods = sorted({r["method"] for r in runs})
+        seeds = {m: {r["seed"] for r in runs if r["method"] == m} for m in methods}
+        few = [m for m in methods if len(seeds[m]) < verdict.MIN_SEEDS]
+        if "dense" not in methods or few:
+            missing[n] = f"{len(runs)} runs so far; under {verdict.MIN_SEEDS} seeds: {few}"
+        else:
+            done.append(n)
+    return done, missing
+
+
 def lm_verdicts(results: dict) -> dict:
-    """Per process count: the target and, per method and link, the verdict numbers."""
+    """Per complete process count: the target and, per method and link, the verdict numbers."""
     total = results["steps"]
     out = {}
-    for n in sorted({r["n"] for r in results["runs"]}):
+    for n in complete_groups(results)[0]:
         runs = [r for r in results["runs"] if r["n"] == n]
         methods = list(dict.fromkeys(r["method"] for r in runs))
         curves = {m: [r["curve"] for r in runs if r["method"] == m] for m in methods}
@@ -156,6 +171,8 @@ def lm_markdown(results: dict) -> str:
                 cells.append(f"{c['step_ms']:.0f}{eq}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
+    for n, why in complete_groups(results)[1].items():
+        lines += [f"**{n} processes**: not reported, the grid is incomplete ({why}).", ""]
     return "\n".join(lines)
 
 
@@ -168,6 +185,8 @@ def lm_plot(results: dict, path: str) -> None:
 
     verdicts = lm_verdicts(results)
     panels = [(n, r) for n, v in verdicts.items() for r in v["rates"]]
+    if not panels:  # no complete grid yet
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
     for ax, (n, rate) in zip(axes[0], panels):
         probes = {p["method"]: p for p in results["probes"] if (p["n"], p["rate"]) == (n, rate)}
