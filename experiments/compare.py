@@ -29,7 +29,7 @@ Time axis = measured compute + modelled communication:
   to f32 as XLA:CPU does.
 
 The baseline is dense all-reduce in fp32 and in bf16. Measured (not modelled)
-multi-process runs over shaped links: ``python -m experiments.netstudy``.
+multi-process runs over shaped links: ``python -m experiments.studies.netstudy``.
 
 Command (the README's main job; ~1 minute on 2 CPU cores, 1.5 on a busy machine):
   python -m experiments.compare

@@ -14,7 +14,7 @@ Which bytes the model charges is the ``wire`` argument: ``"native"`` is what
 the algorithm sends, which is what GPU (NCCL) and TPU move; ``"xla_cpu"``
 widens 16-bit float all-reduces to 4 bytes per entry, as XLA:CPU does (see
 :mod:`jaxcomm.accounting`). Measured multi-process runs over shaped links are
-``experiments/netstudy.py``'s.
+``experiments/studies/netstudy.py``'s.
 
 Example:
   >>> split = digits.load(8)

@@ -426,7 +426,7 @@ for the tree. A state without it where two-phase runs (e.g. a checkpoint
 written with `"gather"`) is refused with an error: resume it with
 `exchange="gather"`. Odd sizes and leaves smaller than n are zero-padded.
 
-`python -m experiments.bench_two_phase` (`--part=traffic|decode|accuracy`)
+`python -m experiments.bench.two_phase` (`--part=traffic|decode|accuracy`)
 writes `experiments/results/two_phase.json`; the digits config's variants
 `int8` (gather), `int8_2p`, `int8_auto`, `ef_sign_2p` and `bf16_words` run
 the exchanges over real processes (below); the cast runs are in
@@ -573,13 +573,13 @@ and per-leaf results stay bit-identical.
 
 On fake devices in one process a combined all-reduce is cheap and the
 bucket costs a copy, so measure bucketing across processes: `python -m
-experiments.bench_buckets` times bucketed and per-leaf steps over 2
+experiments.bench.buckets` times bucketed and per-leaf steps over 2
 processes and counts the compiled collectives on 8 fake devices
 (`experiments/results/buckets.json`).
 
 # Performance benchmarks
 
-`python -m experiments.bench_compressors` times one jitted update (memory
+`python -m experiments.bench.compressors` times one jitted update (memory
 add, encode, exchange, decode, residual update) under `shard_map` on 8 fake
 CPU devices, divided by the time of a gradient copy (`x * 2.0`) in the same
 run, and bytes divided by a dense fp32 ring all-reduce; it prints the table
@@ -608,7 +608,7 @@ to S, the one whose worst band of adjacent columns, over every view of the
 leaf as rows, would send the most. The choice is deterministic (every
 worker picks the same pair). What finds no slot waits in the residual.
 `jaxcomm.compressors.sparse.threshold_usage(grads, state.residual,
-ratio=...)` returns the slots a step fills per leaf; `experiments.threshold_fill`
+ratio=...)` returns the slots a step fills per leaf; `experiments.bench.threshold_fill`
 measures the share of the true top-k sent (`results/threshold_fill.json`).
 
 # Experiments: configs, launcher, resume
@@ -670,7 +670,7 @@ label-skewed digits MLP with ten methods on 8 simulated workers and reports
 accuracy, bytes per step and the time to target at 0.01–10 Gbit/s (measured
 compute plus `jaxcomm.netsim` communication for the bytes GPU/TPU move;
 `--wire=xla_cpu` for XLA:CPU's); `--noquick` runs the longer preset; it
-writes `compare_out/compare.json` and `.png`. `python -m experiments.sync_sweep` compares
+writes `compare_out/compare.json` and `.png`. `python -m experiments.bench.sync_sweep` compares
 the schedules of "Less frequent communication" the same way.
 
 # Several processes and real links
@@ -737,7 +737,7 @@ off at ≤ 100 Mbit/s (64 KiB packets would overflow the queue).
 all-reduce reaches (`experiments/results/netlab_utilisation.json`).
 
 **Not every collective reaches the all-reduce's rate.** `python -m
-experiments.bench_collectives --out=experiments/results/collectives.json`,
+experiments.bench.collectives --out=experiments/results/collectives.json`,
 run under the launcher, measures all-gathers and all-to-alls against the
 fp32 all-reduce in the same run. On gloo some take longer than their bytes
 predict, so halving the bytes can save less than half the time;
@@ -758,13 +758,13 @@ params for top-k (payloads decoded in worker order everywhere) and params
 equal to float32 rounding for dense all-reduce and PowerSGD (gloo and XLA
 sum in different orders).
 
-## Time to accuracy on shaped links (`experiments/netstudy.py`)
+## Time to accuracy on shaped links (`experiments/studies/netstudy.py`)
 
 ```bash
-python -m experiments.netstudy --processes=2,4   # as root
-python -m experiments.netstudy --report          # tables and experiments/results/netstudy.png
-python -m experiments.netstudy --repredict       # recompute netsim's predictions of stored cells
-python -m experiments.netstudy --rerun=wide_mlp/2/dense   # measure some cells again
+python -m experiments.studies.netstudy --processes=2,4   # as root
+python -m experiments.studies.netstudy --report          # tables, experiments/results/netstudy.png
+python -m experiments.studies.netstudy --repredict       # redo netsim's predictions of stored cells
+python -m experiments.studies.netstudy --rerun=wide_mlp/2/dense   # measure some cells again
 ```
 
 Every cell is a real run (2 or 4 gloo processes, shaped by tbf or on
@@ -777,13 +777,13 @@ calibrated on loopback, predicts each step time. Results in
 seed per cell; the LM study (`experiments/studies/lm.py`) runs several and
 follows the rules of `experiments/studies/verdict.py`.
 
-# Side by side with PyTorch DDP comm hooks (`experiments/bench_peers.py`)
+# Side by side with PyTorch DDP comm hooks (`experiments/bench/peers.py`)
 
 ```bash
 pip install -e ".[peers]" --extra-index-url https://download.pytorch.org/whl/cpu   # torch, CPU
-python -m experiments.bench_peers                      # all parts on loopback
-python -m experiments.bench_peers --part=peers --rates=100mbit,1gbit   # shaped links (root)
-python -m experiments.bench_peers --report             # tables from experiments/results/peers.json
+python -m experiments.bench.peers                      # all parts on loopback
+python -m experiments.bench.peers --part=peers --rates=100mbit,1gbit   # shaped links (root)
+python -m experiments.bench.peers --report             # tables from experiments/results/peers.json
 pytest -q tests/test_peers.py                          # skipped without torch
 ```
 
@@ -795,7 +795,7 @@ params); `peers` (DDP's all-reduce, `fp16_compress_hook`,
 `bf16_compress_hook` and `powerSGD_hook` rank 2 against `allreduce()`,
 `cast(float16)`, `cast(bfloat16)` and `powersgd(2, start_iter=2)`, over real
 gloo processes, one device and one thread each, on the same MLP and
-ResNet-18 built alike in both, `experiments/torch_peers.py`); `agree`
+ResNet-18 built alike in both, `experiments/bench/torch_peers.py`); `agree`
 (torch's hook and `powersgd(matrix_view="first")` from the same Q, at world
 size 1 and 2); `castcost` (bare 16-bit all-reduces). On CPU DDP refuses a
 hook *named* `bf16_compress_hook` without NCCL (the benchmark registers it
@@ -811,11 +811,11 @@ exceed torch's, which casts the whole bucket, by those leaves.
 
 **Why `cast(float16)` widens on CPU.** XLA:CPU's gloo communicator sums
 `F16` in scalar software (half → float → half per element), slower than
-fp32 (`bench_peers --part=castcost`, in `experiments/results/peers.json`).
+fp32 (`bench.peers --part=castcost`, in `experiments/results/peers.json`).
 So on CPU `cast(float16)` rounds each worker's g/n to fp16 (the same values
 as on GPU) and widens it to float32 for the sum (`Cast.widened()`; the wire
 report says 4 bytes per entry; GPU/TPU keep the 16-bit all-reduce). The
-bf16 psum `bench_peers` pins also moves 4 bytes per entry on CPU, where
+bf16 psum `bench.peers` pins also moves 4 bytes per entry on CPU, where
 torch's gloo moves 2.
 
 # When is the network the bottleneck? (`jaxcomm.netsim`)
@@ -852,12 +852,12 @@ exactly as they communicate. Conventions:
 - A hierarchical all-reduce is reduce-scatter inside the node, then a ring
   between nodes, then all-gather inside the node.
 - Every link is assumed used at its full rate; measured systems fall
-  short of it, so the model is optimistic (`experiments/netstudy.py`
+  short of it, so the model is optimistic (`experiments/studies/netstudy.py`
   compares its predictions with measured step times).
 
 ## What-if tables
 
-`python -m experiments.whatif` sweeps SF against 1–400 Gbps for ResNet-50,
+`python -m experiments.bench.whatif` sweeps SF against 1–400 Gbps for ResNet-50,
 VGG-16, BERT-Large, GPT-2 1.5B and FasterRCNN with dense fp32, bf16 and each
 compressor, tabulates the ratio needed for SF ≥ 0.9 (the question of Zhang
 et al. 2020, "Is Network the Bottleneck of Distributed Training?",
@@ -975,10 +975,11 @@ top-k break-even, measured against predicted step times from
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
     experiments/       main.py + train.py + configs/ (launcher); compare.py (the comparison
-                       job); examples/ (nnx and linen loops); bench_*.py, threshold_fill.py, whatif.py, sync_sweep.py;
-                       launch.py, netlab/, netstudy.py (real processes, shaped links);
-                       torch_peers.py (PyTorch DDP twins); studies/ (the LM study, verdict
-                       rules, generated tables); results/ (the JSON behind every table)
+                       job); examples/ (nnx and linen loops); bench/ (benchmarks: timings,
+                       threshold_fill, whatif, sync_sweep, torch_peers: PyTorch DDP twins);
+                       launch.py, netlab/ (real processes, shaped links); studies/ (the LM
+                       study, the MLP netstudy, verdict rules, generated tables); results/
+                       (the JSON behind every table)
     tests/             one module per jaxcomm module, test_registry.py (every public
                        transform), convergence, real processes, netlab, notebooks
     colab/             notebooks

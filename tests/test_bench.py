@@ -1,4 +1,4 @@
-"""experiments/bench_compressors.py: the timed repetitions carry the state along."""
+"""experiments/bench/compressors.py: the timed repetitions carry the state along."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from experiments import bench_compressors as B
+from experiments.bench import compressors as B
 
 
 def test_benchmark_repetitions_evolve_the_state():
@@ -36,10 +36,10 @@ def test_benchmark_repetitions_evolve_the_state():
 
 
 def test_threshold_fill_study_measures_the_transform_under_each_rule():
-    """experiments/threshold_fill.py: its fills are what jaxcomm.threshold (now) and the
+    """experiments/bench/threshold_fill.py: its fills are what jaxcomm.threshold (now) and the
     transform built from the ablated selection (before) send, counted here from the
     updates; and the two rules differ on a leaf where the old sample stride fails."""
-    from experiments import threshold_fill as T
+    from experiments.bench import threshold_fill as T
     from jaxcomm import core
     from jaxcomm.compressors.sparse import Threshold
 

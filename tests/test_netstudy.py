@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from experiments import netstudy
+from experiments.studies import netstudy
 
 
 def test_dense_prediction_is_ring_allreduce_of_the_gradient_at_goodput():

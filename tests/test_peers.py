@@ -17,7 +17,7 @@ torch = pytest.importorskip(
 )
 
 from experiments import launch, models  # noqa: E402
-from experiments import torch_peers as tp  # noqa: E402
+from experiments.bench import torch_peers as tp  # noqa: E402
 
 
 def _losses(flax_model, torch_model, shape, batch=3):

@@ -43,7 +43,7 @@ def _lm_study() -> str:
 
 
 def _netstudy() -> str:
-    from experiments import netstudy
+    from experiments.studies import netstudy
 
     return netstudy.report(_load("netstudy.json"), None)
 

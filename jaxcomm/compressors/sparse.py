@@ -552,7 +552,7 @@ class Threshold(_Sparse):
     otherwise). Entries above the threshold that found no slot stay in the
     residual. :meth:`slots_used` counts the slots that carry an entry.
 
-    For ablations (``experiments/threshold_fill.py``): ``choose_periods=False``
+    For ablations (``experiments/bench/threshold_fill.py``): ``choose_periods=False``
     uses the default pair for every ``d``, ``sample_kept=0`` the plain
     ``1/sample_ratio`` stride (the rules before these were found lacking).
     """

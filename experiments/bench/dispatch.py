@@ -9,7 +9,7 @@ step before dispatching the next) and ``--runs`` times with
 that finish, and those that abort on XLA:CPU's rendezvous timeout (40 s).
 
 Command (about 1 min for the default; an aborting run costs its 40 s timeout):
-  python -m experiments.bench_dispatch --runs=10 --out=experiments/results/dispatch.json
+  python -m experiments.bench.dispatch --runs=10 --out=experiments/results/dispatch.json
 """
 
 from __future__ import annotations

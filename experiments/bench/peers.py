@@ -11,7 +11,7 @@ Parts (``--part``, default all):
   thread each), started by ``experiments.launch`` on loopback and, with
   ``--rates`` (as root), on the network lab's shaped links. The same MLP
   (64-1024-1024-10, 1.12M params) and ResNet-18 (11.2M params, 8x8 inputs)
-  built the same way in both frameworks (``experiments.torch_peers``), the
+  built the same way in both frameworks (``experiments.bench.torch_peers``), the
   same batch per rank, SGD. DDP's default all-reduce and its
   ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook`` (rank 2,
   start_powerSGD_iter 2, min_compression_rate 2, error feedback and warm
@@ -34,9 +34,9 @@ Parts (``--part``, default all):
 
 Quote ratios measured in one run, not absolute times: the machine is shared.
 
-  python -m experiments.bench_peers                                # loopback, ~15 min
-  python -m experiments.bench_peers --part=peers --rates=100mbit,1gbit   # as root
-  python -m experiments.bench_peers --report                       # tables from the JSON
+  python -m experiments.bench.peers                                # loopback, ~15 min
+  python -m experiments.bench.peers --part=peers --rates=100mbit,1gbit   # as root
+  python -m experiments.bench.peers --report                       # tables from the JSON
 
 Writes ``experiments/results/peers.json``. Needs torch (CPU build):
 ``pip install -e ".[peers]" --extra-index-url https://download.pytorch.org/whl/cpu``.
@@ -73,7 +73,7 @@ def _jaxcomm_tx(cfg: str, *, axis_name="data", steady: bool = False):
     import jax.numpy as jnp
 
     import jaxcomm
-    from experiments.torch_peers import POWERSGD
+    from experiments.bench.torch_peers import POWERSGD
 
     if cfg == "allreduce":
         return jaxcomm.allreduce(axis_name=axis_name)
@@ -96,7 +96,7 @@ def _model(name: str):
     import jax.numpy as jnp
 
     from experiments import models
-    from experiments.torch_peers import MODELS
+    from experiments.bench.torch_peers import MODELS
 
     kw, shape = MODELS[name]
     model = models.build(**kw)
@@ -144,7 +144,7 @@ def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False, dona
 
 
 def _spread(times):
-    from experiments.torch_peers import spread
+    from experiments.bench.torch_peers import spread
 
     return spread(times)
 
@@ -160,7 +160,7 @@ def overhead_part(model_names, reps: int, batch: int) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
-    from experiments.torch_peers import batch as make_batch
+    from experiments.bench.torch_peers import batch as make_batch
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("data",))
@@ -241,7 +241,7 @@ def jax_worker(model_name: str, configs: list[str], batch: int, warmup: int, rep
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from experiments.torch_peers import batch as make_batch
+    from experiments.bench.torch_peers import batch as make_batch
 
     mesh = jaxcomm.distributed.global_mesh("data")
     n = mesh.size
@@ -342,14 +342,14 @@ def peers_part(
                         argv = [
                             sys.executable,
                             "-m",
-                            "experiments.torch_peers",
+                            "experiments.bench.torch_peers",
                             f"--model={name}",
                             *common,
                         ]
                         _launch(
                             argv + [f"--configs={','.join(configs)}", f"--out={t_out}"], n, lab, env
                         )
-                        argv = [sys.executable, "-m", "experiments.bench_peers", "--worker=jax"]
+                        argv = [sys.executable, "-m", "experiments.bench.peers", "--worker=jax"]
                         argv += [f"--models={name}", *common]
                         _launch(
                             argv + [f"--configs={','.join(configs)}", f"--worker_out={j_out}"],
@@ -549,7 +549,7 @@ def castcost_part(procs, d: int, reps: int) -> list[dict]:
                 [
                     sys.executable,
                     "-m",
-                    "experiments.torch_peers",
+                    "experiments.bench.torch_peers",
                     f"--collectives={d}",
                     f"--reps={reps}",
                     f"--out={t_out}",
@@ -561,7 +561,7 @@ def castcost_part(procs, d: int, reps: int) -> list[dict]:
                 [
                     sys.executable,
                     "-m",
-                    "experiments.bench_peers",
+                    "experiments.bench.peers",
                     "--worker=castcost",
                     f"--castcost_d={d}",
                     f"--reps={reps}",
@@ -592,7 +592,7 @@ def agree_part(model_names) -> list[dict]:
 
     import jaxcomm
     from experiments import launch
-    from experiments import torch_peers as tp
+    from experiments.bench import torch_peers as tp
 
     tp.init_gloo_single(launch.free_port())
     rows = []
@@ -631,7 +631,7 @@ def agree_group_part(model_names, world: int = 2) -> list[dict]:
     """PowerSGD agreement at world size > 1: torch's hook in a real ``world``-process gloo
     group (loopback) vs ``jaxcomm.powersgd(matrix_view="first")`` under ``jax.shard_map``
     over ``world`` of this process's devices; each worker has its own gradients."""
-    from experiments import torch_peers as tp
+    from experiments.bench import torch_peers as tp
 
     kw = dict(
         world=world,
@@ -673,7 +673,9 @@ def define_flags() -> None:
     flags.DEFINE_enum(
         "part", "all", ["all", "overhead", "peers", "agree", "castcost"], "which part"
     )
-    flags.DEFINE_list("models", ["mlp", "resnet18"], "models (experiments.torch_peers.MODELS)")
+    flags.DEFINE_list(
+        "models", ["mlp", "resnet18"], "models (experiments.bench.torch_peers.MODELS)"
+    )
     flags.DEFINE_list("procs", ["2", "4"], "process counts for the multi-process parts")
     flags.DEFINE_list(
         "rates", [], "shaped link rates for the peers part (root), e.g. 100mbit,1gbit"
@@ -717,7 +719,7 @@ def main(argv) -> None:
             sys.exit(1)
     procs = [int(p) for p in F.procs]
     results["commands"] = results.get("commands", {})
-    cmd = "python -m experiments.bench_peers " + shlex.join(sys.argv[1:])
+    cmd = "python -m experiments.bench.peers " + shlex.join(sys.argv[1:])
     if F.part == "peers":  # runs of some cells merge into the JSON: keep every command
         results["commands"].setdefault("peers_runs", []).append(cmd)
     else:

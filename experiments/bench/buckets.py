@@ -18,8 +18,8 @@ Two parts:
 
 Quote ratios from one run, not absolute times: the machine is shared.
 
-  python -m experiments.bench_buckets               # both parts, ~10 min on 2 cores
-  python -m experiments.bench_buckets --part=procs  # only the 2-process part
+  python -m experiments.bench.buckets               # both parts, ~10 min on 2 cores
+  python -m experiments.bench.buckets --part=procs  # only the 2-process part
 
 Writes ``experiments/results/buckets.json`` and prints a table.
 """
@@ -261,7 +261,7 @@ def procs_part(reps: int) -> dict:
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu"
     )
-    cmd = [sys.executable, "-m", "experiments.bench_buckets", f"--port={port}", f"--reps={reps}"]
+    cmd = [sys.executable, "-m", "experiments.bench.buckets", f"--port={port}", f"--reps={reps}"]
     procs = [
         subprocess.Popen(cmd + [f"--worker={pid}"], env=env, stdout=subprocess.PIPE, text=True)
         for pid in range(2)

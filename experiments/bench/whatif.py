@@ -19,8 +19,8 @@ needed) or, with ``--from_transforms``, from
 
 Command (about 10 s on a laptop CPU; add ``--noplots`` to skip matplotlib)::
 
-  python -m experiments.whatif --outdir whatif_out
-  python -m experiments.whatif --from_transforms --models resnet50,vgg16
+  python -m experiments.bench.whatif --outdir whatif_out
+  python -m experiments.bench.whatif --from_transforms --models resnet50,vgg16
 
 Every input of the model (compute times and their basis, links, latencies,
 bucket size, encode costs) is printed and stored in ``whatif.json``.
@@ -40,25 +40,33 @@ from absl import app, flags
 from jaxcomm import netsim
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("outdir", "whatif_out", "Where PNG plots and whatif.json go.")
-flags.DEFINE_list(
-    "bandwidths_gbps", ["1", "2", "5", "10", "25", "40", "100", "200", "400"],
-    "Inter-node (per node) bandwidths to sweep, Gbps.",
-)  # fmt: skip
-flags.DEFINE_list(
-    "models", ["resnet50", "vgg16", "bert_large", "gpt2_xl", "fasterrcnn"], "Models to evaluate."
-)
-flags.DEFINE_integer("n_nodes", 8, "Nodes in the cluster.")
-flags.DEFINE_integer("per_node", 8, "Workers (GPUs) per node.")
-flags.DEFINE_float("intra_gbps", 1200.0, "Per-GPU intra-node bandwidth, Gbps (V100 NVLink).")
-flags.DEFINE_float("intra_latency_us", 5.0, "Intra-node latency per message, microseconds.")
-flags.DEFINE_float("inter_latency_us", 25.0, "Inter-node latency per message, microseconds.")
-flags.DEFINE_float("target_sf", 0.9, "Scaling factor wanted by the required-compression table.")
-flags.DEFINE_float("backward_fraction", 2 / 3, "Part of the compute that is the backward pass.")
-flags.DEFINE_float("bucket_mb", 25.0, "Gradient bucket size, MiB (PyTorch DDP default 25).")
-flags.DEFINE_float("hbm_gbytes_per_s", 800.0, "Achieved device memory bandwidth, GB/s.")
-flags.DEFINE_bool("from_transforms", False, "Bytes from jaxcomm.accounting.wire_report.")
-flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
+
+
+def define_flags() -> None:
+    """The command-line flags; defined only when run as a program, so that importing this
+    module does not clash with other experiments' flags of the same name."""
+    flags.DEFINE_string("outdir", "whatif_out", "Where PNG plots and whatif.json go.")
+    flags.DEFINE_list(
+        "bandwidths_gbps", ["1", "2", "5", "10", "25", "40", "100", "200", "400"],
+        "Inter-node (per node) bandwidths to sweep, Gbps.",
+    )  # fmt: skip
+    flags.DEFINE_list(
+        "models",
+        ["resnet50", "vgg16", "bert_large", "gpt2_xl", "fasterrcnn"],
+        "Models to evaluate.",
+    )
+    flags.DEFINE_integer("n_nodes", 8, "Nodes in the cluster.")
+    flags.DEFINE_integer("per_node", 8, "Workers (GPUs) per node.")
+    flags.DEFINE_float("intra_gbps", 1200.0, "Per-GPU intra-node bandwidth, Gbps (V100 NVLink).")
+    flags.DEFINE_float("intra_latency_us", 5.0, "Intra-node latency per message, microseconds.")
+    flags.DEFINE_float("inter_latency_us", 25.0, "Inter-node latency per message, microseconds.")
+    flags.DEFINE_float("target_sf", 0.9, "Scaling factor wanted by the required-compression table.")
+    flags.DEFINE_float("backward_fraction", 2 / 3, "Part of the compute that is the backward pass.")
+    flags.DEFINE_float("bucket_mb", 25.0, "Gradient bucket size, MiB (PyTorch DDP default 25).")
+    flags.DEFINE_float("hbm_gbytes_per_s", 800.0, "Achieved device memory bandwidth, GB/s.")
+    flags.DEFINE_bool("from_transforms", False, "Bytes from jaxcomm.accounting.wire_report.")
+    flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
+
 
 FP32 = 4
 ZHANG_BANDWIDTHS = (100.0, 25.0, 10.0)
@@ -614,4 +622,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -21,8 +21,8 @@ ends on a synchronisation.
 
 Command (about 10 s on a 2-core CPU; the MLP line about 20 s)::
 
-  python -m experiments.sync_sweep --outdir sync_sweep_out
-  python -m experiments.sync_sweep --model mlp --steps 512 --every 1,8,32
+  python -m experiments.bench.sync_sweep --outdir sync_sweep_out
+  python -m experiments.bench.sync_sweep --model mlp --steps 512 --every 1,8,32
 
 Prints a table and writes ``sync_sweep.json`` to ``--outdir``. Expected
 (logreg, 256 steps): synchronous SGD 96.0%; local SGD and DiLoCo within about
@@ -53,17 +53,27 @@ from experiments import digits  # noqa: E402
 from jaxcomm import sync  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("outdir", "sync_sweep_out", "Where sync_sweep.json goes.")
-flags.DEFINE_integer("steps", 256, "Training steps (the same for every method).")
-flags.DEFINE_float("lr", 0.5, "SGD learning rate (inner learning rate for DiLoCo).")
-flags.DEFINE_list("every", ["1", "4", "16", "64"], "Local steps per synchronisation.")
-flags.DEFINE_list("delays", ["0", "1", "4"], "Delays for delayed gradient averaging.")
-flags.DEFINE_list("staleness", ["1", "4"], "Staleness for stale synchronous SGD (may be empty).")
-flags.DEFINE_integer("warmup_steps", 0, "Post-local SGD: initial steps of every-step averaging.")
-flags.DEFINE_bool("diloco", True, "Also run DiLoCo for each value of --every.")
-flags.DEFINE_enum("model", "logreg", ["logreg", "mlp"], "Model (see experiments.digits).")
-flags.DEFINE_integer("n_workers", 8, "Workers (fake CPU devices on CPU).")
-flags.DEFINE_integer("seed", 0, "Data split and init seed.")
+
+
+def define_flags() -> None:
+    """The command-line flags; defined only when run as a program, so that importing this
+    module does not clash with other experiments' flags of the same name."""
+    flags.DEFINE_string("outdir", "sync_sweep_out", "Where sync_sweep.json goes.")
+    flags.DEFINE_integer("steps", 256, "Training steps (the same for every method).")
+    flags.DEFINE_float("lr", 0.5, "SGD learning rate (inner learning rate for DiLoCo).")
+    flags.DEFINE_list("every", ["1", "4", "16", "64"], "Local steps per synchronisation.")
+    flags.DEFINE_list("delays", ["0", "1", "4"], "Delays for delayed gradient averaging.")
+    flags.DEFINE_list(
+        "staleness", ["1", "4"], "Staleness for stale synchronous SGD (may be empty)."
+    )
+    flags.DEFINE_integer(
+        "warmup_steps", 0, "Post-local SGD: initial steps of every-step averaging."
+    )
+    flags.DEFINE_bool("diloco", True, "Also run DiLoCo for each value of --every.")
+    flags.DEFINE_enum("model", "logreg", ["logreg", "mlp"], "Model (see experiments.digits).")
+    flags.DEFINE_integer("n_workers", 8, "Workers (fake CPU devices on CPU).")
+    flags.DEFINE_integer("seed", 0, "Data split and init seed.")
+
 
 AX = digits.AXIS
 
@@ -168,4 +178,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -1,7 +1,7 @@
 r"""How much of the true top-k ``jaxcomm.threshold`` sends: structured, small and real leaves.
 
 Command (about two minutes on two cores):
-  python -m experiments.threshold_fill --out=experiments/results/threshold_fill.json
+  python -m experiments.bench.threshold_fill --out=experiments/results/threshold_fill.json
 
 One selection step (``Threshold.encode``: the first step, zero residual) at
 ``--ratio``, with the 1% sample threshold. "fill" is the number of the true

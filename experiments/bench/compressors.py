@@ -13,13 +13,13 @@ the traffic it sends with bandwidth-optimal collectives, both divided by a
 dense fp32 ring all-reduce.
 
 Command (about 6 minutes on 2 CPU cores):
-  python -m experiments.bench_compressors --out bench_out/compressors.json
+  python -m experiments.bench.compressors --out bench_out/compressors.json
 Quick check:
-  python -m experiments.bench_compressors --sizes 100000 --reps 3
+  python -m experiments.bench.compressors --sizes 100000 --reps 3
 Model-shaped trees (shapes only, random values), e.g.:
-  python -m experiments.bench_compressors --tree resnet18 --reps 3 \
+  python -m experiments.bench.compressors --tree resnet18 --reps 3 \
       --cases allreduce,cast_bf16,threshold,dgc,powersgd_r2,powersgd_r2_batched
-  python -m experiments.bench_compressors --tree gpt2 --gpt2_layers 2 --reps 3
+  python -m experiments.bench.compressors --tree gpt2 --gpt2_layers 2 --reps 3
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from experiments.timing import median_time
+from experiments.bench.timing import median_time
 
 AXIS = "data"
 
 # name -> factory(ratio) building the transform over AXIS. Add new compressors here.
 # The all-gather codecs are pinned to exchange="gather" (the path the README table measured;
-# their two-phase exchange is benchmarked by experiments.bench_two_phase).
+# their two-phase exchange is benchmarked by experiments.bench.two_phase).
 CASES: dict[str, Callable[[float], object]] = {
     "allreduce": lambda r: jaxcomm.allreduce(axis_name=AXIS),
     # the committed table measured the psum and the uint16 all-gather (not the

@@ -1,4 +1,4 @@
-r"""PyTorch twins of ``experiments.models`` and a DDP worker, for ``experiments.bench_peers``.
+r"""PyTorch twins of ``experiments.models`` and a DDP worker, for ``experiments.bench.peers``.
 
 The models are built the same way as the Flax ones: :class:`TorchMLP` is
 ``models.MLP`` (flatten, tanh hidden layers, linear head) and
@@ -10,7 +10,7 @@ pads ``(0, 1, 0, 1)`` by hand, so the two compute the same function.
 :func:`load_flax` copies Flax params into a twin (Dense ``(in, out)`` ->
 ``(out, in)``, conv HWIO ``(kh, kw, in, out)`` -> OIHW ``(out, in, kh, kw)``).
 
-The worker (``python -m experiments.torch_peers --model=mlp --out=r.json``)
+The worker (``python -m experiments.bench.torch_peers --model=mlp --out=r.json``)
 is one rank of ``torch.distributed`` (gloo, ``env://``). It reads the
 variables ``experiments.launch`` sets for JAX (``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) when ``MASTER_ADDR`` & co. are not
@@ -390,7 +390,7 @@ def _free_port() -> int:
 
 
 def hook_group_worker(spec_path: str, rank: int) -> None:
-    """One rank of :func:`torch_powersgd_group` (``python -m experiments.torch_peers
+    """One rank of :func:`torch_powersgd_group` (``python -m experiments.bench.torch_peers
     --hook_group=SPEC --rank=i``): runs ``powerSGD_hook`` on its own gradients."""
     import sys
 
@@ -480,7 +480,7 @@ def torch_powersgd_group(
     for i, q in zip(sorted(layout), q0):
         off, m, r = layout[i]
         q_buf[off : off + m * r] = np.asarray(q, np.float32).reshape(-1)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     if "GLOO_SOCKET_IFNAME" not in env and "lo" in _interfaces():
@@ -504,7 +504,7 @@ def torch_powersgd_group(
         spec_path = os.path.join(d, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        cmd = [sys.executable, "-m", "experiments.torch_peers", f"--hook_group={spec_path}"]
+        cmd = [sys.executable, "-m", "experiments.bench.torch_peers", f"--hook_group={spec_path}"]
         procs = [subprocess.Popen(cmd + [f"--rank={i}"], cwd=root, env=env) for i in range(world)]
         deadline = time.monotonic() + timeout_s
         try:

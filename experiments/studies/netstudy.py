@@ -1,9 +1,9 @@
 r"""Time-to-accuracy on real, shaped links: every method, several rates and process counts.
 
 Command (root, iproute2; ~35 min on 2 CPU cores for the default grid):
-  python -m experiments.netstudy --out=experiments/results/netstudy.json
+  python -m experiments.studies.netstudy --out=experiments/results/netstudy.json
 Quick look (one model, one rate):
-  python -m experiments.netstudy --models=digits_mlp --rates=100mbit --processes=2
+  python -m experiments.studies.netstudy --models=digits_mlp --rates=100mbit --processes=2
 
 Every cell is a real run: ``experiments.launch`` starts the processes (one fake
 CPU device each, gloo collectives), each in its own network namespace with every
@@ -142,7 +142,7 @@ def measure_alpha(n: int, rate: str) -> float:
     argv = [
         sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
         *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
-        sys.executable, "-m", "experiments.netstudy", "--alpha_worker",
+        sys.executable, "-m", "experiments.studies.netstudy", "--alpha_worker",
     ]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return float(out.split("ALPHA_S")[1].split()[0])

@@ -16,8 +16,8 @@ Three parts:
 * **accuracy** (8 fake devices): digits MLP, 300 steps of SGD, dense vs the
   two-phase int8, EF-sign and 1-bit exchanges.
 
-  python -m experiments.bench_two_phase                 # all parts, ~3 min on 2 cores
-  python -m experiments.bench_two_phase --part=traffic  # analytic only, seconds
+  python -m experiments.bench.two_phase                 # all parts, ~3 min on 2 cores
+  python -m experiments.bench.two_phase --part=traffic  # analytic only, seconds
 
 Writes ``experiments/results/two_phase.json`` and prints tables.
 """
@@ -167,7 +167,7 @@ def accuracy() -> dict:
 
 def main(argv):
     del argv
-    result = {"command": " ".join(["python -m experiments.bench_two_phase", *sys.argv[1:]])}
+    result = {"command": " ".join(["python -m experiments.bench.two_phase", *sys.argv[1:]])}
     if FLAGS.part in ("all", "traffic"):
         result["traffic"] = traffic()
     if FLAGS.part in ("all", "decode"):

@@ -2,7 +2,7 @@ r"""How fast each bare collective moves bytes between real processes (gloo on CP
 
 Command (one shaped cell; the launcher starts the processes, this script runs in each):
   python -m experiments.launch --processes=2 --rate=100mbit -- \
-      python -m experiments.bench_collectives --label=100mbit \
+      python -m experiments.bench.collectives --label=100mbit \
       --out=experiments/results/collectives.json
 
 Each collective runs on its own compiled program, ``--reps`` times after a warm-up
@@ -45,7 +45,7 @@ def measure(entries: int, reps: int) -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from experiments.timing import median_time
+    from experiments.bench.timing import median_time
     from jaxcomm.accounting import traffic_bytes
     from jaxcomm.exchange import Collective
 
