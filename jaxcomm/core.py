@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import buckets, exchange
+from jaxcomm import buckets, exchange, strategies
+from jaxcomm.strategies import Config, Memory, Step, Strategy
 
 _xc = exchange  # the module, where compress's ``exchange=`` option shadows its name
 
@@ -306,50 +307,6 @@ def _check_state(
         check_residual(state.residual, updates)
 
 
-def _decode_mean(
-    compressor: Compressor, received: Payload, aux: Any, d: int, dtype: Any, n: int
-) -> jax.Array:
-    """Mean over ``n`` workers of the decoded (summed or gathered) payloads."""
-    if hasattr(compressor, "decode_mean"):
-        return compressor.decode_mean(received, aux, d, dtype, n)
-    total = compressor.decode(received, aux, d, dtype)
-    return total / jnp.asarray(n, total.dtype)
-
-
-def _encode_all(
-    compressor: Compressor,
-    vecs: list[jax.Array],
-    keys: list[jax.Array | None],
-    axis_name: exchange.AxisName | None,
-    bucket_bytes: int | None,
-) -> list[tuple[Payload, Any]]:
-    """``(payload, aux)`` of every vector.
-
-    A compressor whose workers must first agree on a value per vector (the
-    optional ``agrees = True`` with ``to_agree(p, key)`` -> array, max over
-    workers, then ``encode_agreed(p, key, agreed)``; e.g. TernGrad's shared scale) gets all
-    vectors' values agreed in one bucketed all-reduce, not one per leaf.
-    """
-    if axis_name is not None and vecs and getattr(compressor, "agrees", False):
-        values = [compressor.to_agree(v, k) for v, k in zip(vecs, keys)]
-        agreed = buckets.pmax(values, axis_name, bucket_bytes)
-        out = [compressor.encode_agreed(v, k, a) for v, k, a in zip(vecs, keys, agreed)]
-    else:
-        out = [compressor.encode(v, k) for v, k in zip(vecs, keys)]
-    return [(tuple(payload), aux) for payload, aux in out]
-
-
-def _flag(ok: jax.Array, payload: Payload, kind: str) -> jax.Array:
-    """The NaN rule's per-worker flag: 1 if this worker's ``g + e`` was not finite.
-
-    psum: one entry in the dtype of the last payload array (it joins that
-    dtype's bucket: no collective of its own); the sum is > 0 iff some
-    worker's flag was set. all_gather: one byte (gathered buckets are bytes).
-    """
-    dtype = jnp.result_type(payload[-1]) if kind == "psum" and payload else jnp.uint8
-    return (~ok).astype(dtype)
-
-
 def nan_flag_bytes(
     compressor: Compressor, d: int = 1024, dtype: Any = jnp.float32, n_workers: int = 8
 ) -> int:
@@ -376,15 +333,126 @@ def nan_flag_bytes(
     return jnp.dtype(payload[-1].dtype).itemsize
 
 
-def _slices(group: list[int], ps: dict[int, jax.Array]) -> list[tuple[int, slice]]:
-    """(leaf index, its slice of the group's concatenated vector) for each leaf."""
-    if len(group) == 1:
-        return [(group[0], slice(None))]
-    out, offset = [], 0
-    for i in group:
-        out.append((i, slice(offset, offset + ps[i].shape[0])))
-        offset += ps[i].shape[0]
-    return out
+# --- the update pipeline: compress's update_fn runs these stages in order --------------
+
+
+def _start(compressor: Compressor, updates: Any, state: Any, config: Config) -> Step:
+    """Check the state and the updates; the updates' (and residuals') leaves."""
+    _check_state(
+        state,
+        updates,
+        error_feedback=config.error_feedback,
+        needs_key=compressor.needs_key,
+        cls=config.state_cls,
+    )
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    check_float_leaves(with_path, "updates")
+    _xc.check_per_worker(updates, config.axis_name)
+    grads = [g for _, g in with_path]
+    residuals = treedef.flatten_up_to(state.residual) if config.error_feedback else None
+    return Step(treedef, with_path, grads, residuals)
+
+
+def _step_key(compressor: Compressor, step: Step, state: Any, config: Config) -> Step:
+    """The state's next key and this step's (per worker, or agreed over the axis)."""
+    new_key, step_key = (None, None)
+    if compressor.needs_key:
+        new_key, step_key = jax.random.split(state.key)
+        if config.axis_name is not None:
+            if compressor.per_worker_key:
+                step_key = jax.random.fold_in(step_key, _xc.axis_index(config.axis_name))
+            else:  # one 8-byte all-reduce: identical (and invariant-typed) everywhere
+                step_key = _xc.agree(step_key, config.axis_name)
+    return step._replace(new_key=new_key, step_key=step_key)
+
+
+def _add_memory(step: Step, config: Config) -> Step:
+    """``p = g + e`` of every compressible leaf, flat; the other leaves go dense.
+
+    ``ps``: in the gradient's dtype (what is encoded); ``ps_state``: formed in
+    the residual's dtype, where that differs (and rounded to the gradient's
+    for ``ps``).
+    """
+    grads, residuals = step.grads, step.residuals
+    compressible = [i for i, g in enumerate(grads) if g.size >= max(config.min_size, 1)]
+    dense = set(range(len(grads))) - set(compressible)
+    ps, ps_state = {}, {}
+    for i in compressible:
+        g = grads[i]
+        p = g.reshape(-1)
+        if config.error_feedback:
+            r = residuals[i].reshape(-1)
+            if r.dtype == p.dtype:
+                p = p + r
+            else:
+                ps_state[i] = p.astype(r.dtype) + r
+                p = ps_state[i].astype(g.dtype)
+        ps[i] = p
+    return step._replace(compressible=compressible, dense=dense, ps=ps, ps_state=ps_state)
+
+
+def _group(step: Step, config: Config) -> Step:
+    """Groups of leaves compressed as one vector (``scope``), their vectors and keys."""
+    compressible, ps = step.compressible, step.ps
+    if config.scope == "leaf":
+        groups = [[i] for i in compressible]
+    else:
+        groups = [compressible] if compressible else []
+    vecs, keys = [], []
+    for gi, group in enumerate(groups):
+        if len(group) == 1:
+            vec = ps[group[0]]
+        else:
+            dtype = jnp.result_type(*[ps[i].dtype for i in group])
+            vec = jnp.concatenate([ps[i].astype(dtype) for i in group])
+        vecs.append(vec)
+        keys.append(None if step.step_key is None else jax.random.fold_in(step.step_key, gi))
+    return step._replace(groups=groups, vecs=vecs, keys=keys)
+
+
+def _strategy(compressor: Compressor, step: Step, state: Any, config: Config) -> Strategy:
+    """The exchange this trace runs (:mod:`jaxcomm.strategies`), checked it can run."""
+    axis_name, mode = config.axis_name, config.mode
+    if axis_name is None:
+        return strategies.local
+    if mode == "reduce_scatter":
+        n = _xc.axis_size(axis_name)
+        for path, g in step.with_path:
+            if g.ndim == 0 or g.shape[0] % n:
+                raise ValueError(
+                    f"exchange='reduce_scatter': leaf {_path_str(path)} has shape {g.shape}; its "
+                    f"first dimension must be a multiple of the {n} workers (the shard axis)"
+                )
+        return strategies.reduce_scatter
+    specs = [(v.shape[0], v.dtype) for v in step.vecs]
+    if _xc.choose_exchange(mode, compressor, specs, _xc.axis_size(axis_name)) != "two_phase":
+        return strategies.gather
+    if config.error_feedback and state.server is None:
+        raise ValueError(
+            f"state.server is None, but exchange={mode!r} runs the two-phase exchange on "
+            f"{_xc.axis_size(axis_name)} workers for these updates and needs its server "
+            "residual: the state was made by init on an axis size where 'auto' picks "
+            "'gather' (or saved by a transform with exchange='gather'). Make the state with "
+            "tx.init(params) outside shard_map, or build the transform with "
+            "exchange='gather' to keep using this state."
+        )
+    return strategies.two_phase
+
+
+def _new_state(step: Step, state: Any, memory: Memory, config: Config) -> Any:
+    """The state after the step: count, key, the strategy's memory, non-finite steps."""
+    count = optax.safe_int32_increment(state.count)
+    nonfinite = memory.nonfinite
+    if memory.ok is not None:  # two-phase, reduce-scatter: counted after the step count
+        nonfinite = state.nonfinite + (~memory.ok).astype(jnp.int32)
+    return config.state_cls(
+        count=count,
+        key=step.new_key,
+        residual=memory.residual,
+        nonfinite=nonfinite,
+        # with "auto", a gather step keeps the server residual as it is (init could not see n)
+        server=memory.server,
+    )
 
 
 def compress(
@@ -529,282 +597,16 @@ def compress(
             server=residual if server else None,
         )
 
+    config = Config(axis_name, error_feedback, min_size, scope, bucket_bytes, mode, state_cls)
+
     def update_fn(updates, state, params=None):
         del params
-        _check_state(
-            state,
-            updates,
-            error_feedback=error_feedback,
-            needs_key=compressor.needs_key,
-            cls=state_cls,
-        )
-        with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        check_float_leaves(with_path, "updates")
-        _xc.check_per_worker(updates, axis_name)
-        grads = [g for _, g in with_path]
-        residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
-
-        new_key, step_key = (None, None)
-        if compressor.needs_key:
-            new_key, step_key = jax.random.split(state.key)
-            if axis_name is not None:
-                if compressor.per_worker_key:
-                    step_key = jax.random.fold_in(step_key, _xc.axis_index(axis_name))
-                else:  # one 8-byte all-reduce: identical (and invariant-typed) everywhere
-                    step_key = _xc.agree(step_key, axis_name)
-
-        compressible = [i for i, g in enumerate(grads) if g.size >= max(min_size, 1)]
-        dense = set(range(len(grads))) - set(compressible)
-        outputs: list[jax.Array | None] = [None] * len(grads)
-        new_res: list[jax.Array | None] = list(residuals) if error_feedback else []
-
-        ps, ps_state = {}, {}  # g + e: in the gradient's dtype (encoded), in the residual's
-        for i in compressible:
-            g = grads[i]
-            p = g.reshape(-1)
-            if error_feedback:
-                r = residuals[i].reshape(-1)
-                if r.dtype == p.dtype:
-                    p = p + r
-                else:
-                    ps_state[i] = p.astype(r.dtype) + r
-                    p = ps_state[i].astype(g.dtype)
-            ps[i] = p
-
-        # Groups of leaves compressed as one vector.
-        groups = (
-            [[i] for i in compressible]
-            if scope == "leaf"
-            else [compressible]
-            if compressible
-            else []
-        )
-        vecs, keys = [], []
-        for gi, group in enumerate(groups):
-            if len(group) == 1:
-                vec = ps[group[0]]
-            else:
-                dtype = jnp.result_type(*[ps[i].dtype for i in group])
-                vec = jnp.concatenate([ps[i].astype(dtype) for i in group])
-            vecs.append(vec)
-            keys.append(None if step_key is None else jax.random.fold_in(step_key, gi))
-        if axis_name is not None and mode == "reduce_scatter":
-            ok = (
-                jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
-                if vecs
-                else jnp.ones((), jnp.bool_)
-            )
-            return _reduce_scatter_update(
-                compressor, state, state_cls, treedef, with_path, groups, vecs, keys, ps,
-                ps_state, residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
-            )  # fmt: skip
-        two = (
-            axis_name is not None
-            and _xc.choose_exchange(
-                mode, compressor, [(v.shape[0], v.dtype) for v in vecs], _xc.axis_size(axis_name)
-            )
-            == "two_phase"
-        )
-        if two and error_feedback and state.server is None:
-            raise ValueError(
-                f"state.server is None, but exchange={mode!r} runs the two-phase exchange on "
-                f"{_xc.axis_size(axis_name)} workers for these updates and needs its server "
-                "residual: the state was made by init on an axis size where 'auto' picks "
-                "'gather' (or saved by a transform with exchange='gather'). Make the state with "
-                "tx.init(params) outside shard_map, or build the transform with "
-                "exchange='gather' to keep using this state."
-            )
-        if two:
-            ok = (
-                jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
-                if vecs
-                else jnp.ones((), jnp.bool_)
-            )
-            return _two_phase_update(
-                compressor, state, state_cls, treedef, grads, groups, vecs, keys, ps, ps_state,
-                residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
-            )  # fmt: skip
-        encoded = _encode_all(compressor, vecs, keys, axis_name, bucket_bytes)
-        # This worker's g + e all finite? (top-k and threshold look only at what
-        # they selected, which includes any NaN/Inf.) Agreed over the axis below.
-        ok = jnp.all(
-            jnp.stack(
-                [
-                    compressor.all_finite(vec, payload, aux)
-                    if hasattr(compressor, "all_finite")
-                    else jnp.isfinite(jnp.sum(vec * 0))
-                    for vec, (payload, aux) in zip(vecs, encoded)
-                ]
-            )
-            if vecs
-            else jnp.ones((), jnp.bool_)
-        )
-
-        # The wire: dense leaves (plain mean, no residual) and payloads, in leaf
-        # order; bucketed, one collective per bucket.
-        if axis_name is None:
-            for i in sorted(dense):
-                outputs[i] = grads[i]
-            received = [
-                payload if compressor.kind == "psum" else tuple(x[None] for x in payload)
-                for payload, _ in encoded
-            ]
-            n = 1
-        else:
-            n = _xc.axis_size(axis_name)
-            first = {group[0]: gi for gi, group in enumerate(groups)}
-            summed, gathered = [], []  # (leaf or group id, array)
-            for i in range(len(grads)):
-                if i in dense:
-                    summed.append((("leaf", i), grads[i]))
-                if i in first:
-                    gi = first[i]
-                    dest = summed if compressor.kind == "psum" else gathered
-                    dest.extend((("group", gi), x) for x in encoded[gi][0])
-            flagged = groups and not getattr(compressor, "carries_nonfinite", False)
-            if flagged:  # the NaN rule's flag rides in the first bucket (see _flag)
-                dest = summed if compressor.kind == "psum" else gathered
-                dest.append((("flag", 0), _flag(ok, encoded[-1][0], compressor.kind)))
-            sums = buckets.psum([x for _, x in summed], axis_name, bucket_bytes)
-            gath = buckets.all_gather([x for _, x in gathered], axis_name, bucket_bytes)
-            parts: dict[int, list[jax.Array]] = {gi: [] for gi in range(len(groups))}
-            for (tag, j), x in zip([t for t, _ in summed] + [t for t, _ in gathered], sums + gath):
-                if tag == "leaf":
-                    outputs[j] = x / jnp.asarray(n, x.dtype)
-                elif tag == "flag":
-                    ok = ~jnp.any(x > 0)
-                else:
-                    parts[j].append(x)
-            received = [tuple(parts[gi]) for gi in range(len(groups))]
-
-        for gi, group in enumerate(groups):
-            vec, (payload, aux) = vecs[gi], encoded[gi]
-            if axis_name is None:
-                mean = compressor.decode(received[gi], aux, vec.shape[0], vec.dtype)
-            else:
-                mean = _decode_mean(compressor, received[gi], aux, vec.shape[0], vec.dtype, n)
-            if not getattr(compressor, "carries_nonfinite", False):
-                # some worker's gradient was not finite: the update is NaN on every worker
-                mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
-            for i, sl in _slices(group, ps):
-                outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
-        encoded = [(group, vecs[gi], *encoded[gi]) for gi, group in enumerate(groups)]
-        if not error_feedback:
-            encoded = []
-
-        nonfinite = state.nonfinite
-        if encoded:
-            finite = ok
-            for group, vec, payload, aux in encoded:
-                if any(i in ps_state for i in group):  # the residual's precision
-                    dtype = jnp.result_type(*[residuals[i].dtype for i in group])
-                    vec = (
-                        jnp.concatenate([ps_state.get(i, ps[i]).astype(dtype) for i in group])
-                        if len(group) > 1
-                        else ps_state[group[0]]
-                    )
-                res = compressor.residual(vec, payload, aux)
-                for i, sl in _slices(group, ps):
-                    r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-                    # a select: a lax.cond here measured ~1.5x slower on XLA:CPU
-                    new_res[i] = jnp.where(finite, r, residuals[i])
-            nonfinite = nonfinite + (~finite).astype(jnp.int32)
-
-        new_state = state_cls(
-            count=optax.safe_int32_increment(state.count),
-            key=new_key,
-            residual=treedef.unflatten(new_res) if error_feedback else None,
-            nonfinite=nonfinite,
-            server=state.server,  # "auto" picked gather: kept as it is (init could not see n)
-        )
-        return treedef.unflatten(outputs), new_state
+        step = _start(compressor, updates, state, config)
+        step = _step_key(compressor, step, state, config)
+        step = _add_memory(step, config)
+        step = _group(step, config)
+        strategy = _strategy(compressor, step, state, config)  # chosen once per trace
+        outputs, memory = strategy(compressor, step, state, config)
+        return step.treedef.unflatten(outputs), _new_state(step, state, memory, config)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _two_phase_update(
-    compressor, state, state_cls, treedef, grads, groups, vecs, keys, ps, ps_state,
-    residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
-):  # fmt: skip
-    """The rest of :func:`compress`'s update with ``exchange.two_phase`` for the payloads."""
-    n = _xc.axis_size(axis_name)
-    outputs: list[jax.Array | None] = [None] * len(grads)
-    dense_ids = sorted(dense)
-    sums = buckets.psum([grads[i] for i in dense_ids], axis_name, bucket_bytes)
-    for i, x in zip(dense_ids, sums):
-        outputs[i] = x / jnp.asarray(n, x.dtype)
-
-    def group_state(tree_leaves, group):
-        if tree_leaves is None:
-            return None
-        parts = [tree_leaves[i].reshape(-1) for i in group]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-    server_leaves = treedef.flatten_up_to(state.server) if error_feedback else None
-    servers = [group_state(server_leaves, g) for g in groups]
-    means, own, new_servers, ok = _xc.two_phase(
-        compressor, vecs, keys, servers, ok, axis_name, bucket_bytes
-    )
-    new_res = list(residuals) if error_feedback else None
-    new_srv = list(server_leaves) if error_feedback else None
-    for gi, group in enumerate(groups):
-        mean = means[gi]
-        if not getattr(compressor, "carries_nonfinite", False):
-            mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
-        for i, sl in _slices(group, ps):
-            outputs[i] = mean[sl].reshape(grads[i].shape).astype(grads[i].dtype)
-        if error_feedback:
-            dtype = jnp.result_type(*[residuals[i].dtype for i in group])
-            vec = group_state({i: ps_state.get(i, ps[i]) for i in group}, group).astype(dtype)
-            res = vec - own[gi].astype(dtype)
-            for i, sl in _slices(group, ps):
-                r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-                new_res[i] = jnp.where(ok, r, residuals[i])
-                new_srv[i] = new_servers[gi][sl].reshape(residuals[i].shape)
-    return treedef.unflatten(outputs), state_cls(
-        count=optax.safe_int32_increment(state.count),
-        key=new_key,
-        residual=treedef.unflatten(new_res) if error_feedback else None,
-        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        server=treedef.unflatten(new_srv) if error_feedback else None,
-    )
-
-
-def _reduce_scatter_update(
-    compressor, state, state_cls, treedef, with_path, groups, vecs, keys, ps, ps_state,
-    residuals, dense, ok, new_key, axis_name, bucket_bytes, error_feedback,
-):  # fmt: skip
-    """:func:`compress`'s update with ``exchange="reduce_scatter"``: shard-shaped updates."""
-    n = _xc.axis_size(axis_name)
-    grads = [g for _, g in with_path]
-    for path, g in with_path:
-        if g.ndim == 0 or g.shape[0] % n:
-            raise ValueError(
-                f"exchange='reduce_scatter': leaf {_path_str(path)} has shape {g.shape}; its "
-                f"first dimension must be a multiple of the {n} workers (the shard axis)"
-            )
-    shard = [(g.shape[0] // n,) + g.shape[1:] for g in grads]
-    outputs: list[jax.Array | None] = [None] * len(grads)
-    dense_ids = sorted(dense)
-    sums = buckets.psum_scatter([grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes)
-    for i, x in zip(dense_ids, sums):
-        outputs[i] = (x / jnp.asarray(n, x.dtype)).reshape(shard[i])
-    chunks, own, ok = _xc.reduce_scatter(compressor, vecs, keys, ok, axis_name, bucket_bytes)
-    new_res = list(residuals) if error_feedback else None
-    for gi, group in enumerate(groups):
-        (i,) = group  # scope="leaf"
-        chunk = chunks[gi][: grads[i].size // n]
-        if not getattr(compressor, "carries_nonfinite", False):
-            chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
-        outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
-        if error_feedback:
-            dtype = residuals[i].dtype
-            res = ps_state.get(i, ps[i]).astype(dtype) - own[gi].astype(dtype)
-            new_res[i] = jnp.where(ok, res.reshape(residuals[i].shape), residuals[i])
-    return treedef.unflatten(outputs), state_cls(
-        count=optax.safe_int32_increment(state.count),
-        key=new_key,
-        residual=treedef.unflatten(new_res) if error_feedback else None,
-        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        server=state.server,
-    )

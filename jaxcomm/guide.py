@@ -954,7 +954,10 @@ top-k break-even, measured against predicted step times from
 # Layout
 
     jaxcomm/
-      core.py          Compressor protocol, compress() (EF memory, encode, exchange, decode)
+      core.py          Compressor protocol, compress(): its update in small stages (check
+                       state, step key, add memory, group leaves, strategy, new state)
+      strategies.py    the exchange strategies with one signature: local, gather (psum or
+                       all-gather, bucketed), two_phase, reduce_scatter
       ledger.py        the byte ledger: what a transform sends (Collective records)
       collectives.py   psum / all_gather / reduce-scatter / all-to-all / ppermute
                        wrappers that record to the ledger; as_varying, axis checks
