@@ -49,12 +49,15 @@ def define_flags() -> None:
     flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the loopback trajectories")
     flags.DEFINE_integer("steps", 200, "training steps of a full run (the schedule's length)")
     flags.DEFINE_integer("probe_steps", 20, "steps measured on a shaped link (two calls)")
+    flags.DEFINE_integer("probe_steps_per_call", 10, "training steps per call in a probe")
     flags.DEFINE_string("out", "experiments/results/lm_study.json", "JSON written and updated")
     flags.DEFINE_string("workroot", "runs/lm_study", "workdirs of the runs")
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
 
 
-def run_training(n: int, rate: str, method: str, seed: int, steps: int, stop: int) -> dict:
+def run_training(
+    n: int, rate: str, method: str, seed: int, steps: int, stop: int, per_call: int = 10
+) -> dict:
     """One launched run; returns its command, wall time and metrics rows."""
     workdir = os.path.join(FLAGS.workroot, f"n{n}", rate, method, f"s{seed}")
     subprocess.run(["rm", "-rf", workdir], check=True)
@@ -64,6 +67,8 @@ def run_training(n: int, rate: str, method: str, seed: int, steps: int, stop: in
         sys.executable, "-m", "experiments.main", f"--config={CONFIG}:{method}",
         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_train_steps={steps}",
         f"--config.stop_after={stop}", "--config.progress=False", "--config.plot=False",
+        f"--config.steps_per_call={per_call}",
+        *([] if per_call == 10 else [f"--config.eval_every={per_call}"]),  # a probe's 2 calls
     ]  # fmt: skip
     keep = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
     return runs.launched(argv, workdir, keep)
@@ -77,7 +82,8 @@ def write_report(path: str) -> None:
 
 def probe(results: dict, n: int, rate: str, method: str) -> dict:
     """``--probe_steps`` steps of seed 0 on ``rate``: step time and the trajectory check."""
-    run = run_training(n, rate, method, 0, FLAGS.steps, FLAGS.probe_steps)
+    run = run_training(n, rate, method, 0, FLAGS.steps, FLAGS.probe_steps,
+                       FLAGS.probe_steps_per_call)  # fmt: skip
     last = run["curve"][-1]
     base = next(r for r in results["runs"] if (r["n"], r["method"], r["seed"]) == (n, method, 0))
     ref = next(p for p in base["curve"] if p["step"] == last["step"])
@@ -89,6 +95,7 @@ def probe(results: dict, n: int, rate: str, method: str) -> dict:
     return {
         "n": n, "rate": rate, "method": method, "seed": 0, **run,
         "first_call": {"steps": first["step"], "train_s": first["train_s"]},
+        "steps_per_call": FLAGS.probe_steps_per_call,
         "step_s": step_s,
         "probe_check": {"step": last["step"], "probe_eval_loss": last["eval_loss"],
                         "loopback_eval_loss": ref["eval_loss"]},

@@ -40,18 +40,27 @@ def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:
     return first["train_s"] + (steps - first["steps"]) * probe["step_s"]
 
 
-def complete_groups(results: dict) -> tuple[list[int], dict[int, str]]:
-    """Process counts whose grid is complete (every method x seed), and why the others are not."""
-    done, missing = [], {}
+def complete_groups(results: dict) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """Per process count, the methods with every seed run (dense among them), and the gaps.
+
+    A process count is reported when dense has :data:`verdict.MIN_SEEDS` seeds;
+    a method with fewer is left out of its table, and named in the gaps.
+    """
+    done, missing = {}, {}
     for n in sorted({r["n"] for r in results["runs"]}):
         runs = [r for r in results["runs"] if r["n"] == n]
-        methods = sorted({r["method"] for r in runs})
+        methods = list(dict.fromkeys(r["method"] for r in runs))
         seeds = {m: {r["seed"] for r in runs if r["method"] == m} for m in methods}
-        few = [m for m in methods if len(seeds[m]) < verdict.MIN_SEEDS]
-        if "dense" not in methods or few:
-            missing[n] = f"{len(runs)} runs so far; under {verdict.MIN_SEEDS} seeds: {few}"
-        else:
-            done.append(n)
+        full = [m for m in methods if len(seeds[m]) >= verdict.MIN_SEEDS]
+        few = {m: len(seeds[m]) for m in methods if m not in full}
+        if "dense" in full:
+            done[n] = full
+        if few or "dense" not in full:
+            missing[n] = (
+                f"{', '.join(f'{m} {k} of {verdict.MIN_SEEDS} seeds' for m, k in few.items())}"
+                if "dense" in full
+                else f"{len(runs)} runs so far, dense has {len(seeds.get('dense', ()))} seeds"
+            )
     return done, missing
 
 
@@ -59,9 +68,8 @@ def lm_verdicts(results: dict) -> dict:
     """Per complete process count: the target and, per method and link, the verdict numbers."""
     total = results["steps"]
     out = {}
-    for n in complete_groups(results)[0]:
-        runs = [r for r in results["runs"] if r["n"] == n]
-        methods = list(dict.fromkeys(r["method"] for r in runs))
+    for n, methods in complete_groups(results)[0].items():
+        runs = [r for r in results["runs"] if r["n"] == n and r["method"] in methods]
         curves = {m: [r["curve"] for r in runs if r["method"] == m] for m in methods}
         for c in (c for cs in curves.values() for c in cs):
             verdict.check_curve(c, total)
@@ -171,8 +179,10 @@ def lm_markdown(results: dict) -> str:
                 cells.append(f"{c['step_ms']:.0f}{eq}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
-    for n, why in complete_groups(results)[1].items():
-        lines += [f"**{n} processes**: not reported, the grid is incomplete ({why}).", ""]
+    done, missing = complete_groups(results)
+    for n, why in missing.items():
+        what = "left out of the table above" if n in done else "not reported"
+        lines += [f"**{n} processes**, {what} (fewer than {verdict.MIN_SEEDS} seeds): {why}.", ""]
     return "\n".join(lines)
 
 
