@@ -75,27 +75,52 @@ class Compressor(Protocol):
         """Bytes of the payload one worker contributes for a vector of ``d``."""
         ...
 
-    # Optional (CompressorBase has defaults):
-    #   decode_mean(received, aux, d, dtype, n) -> decode(...) / n; sparse
-    #     compressors scale the k values instead of the dense vector.
-    #   carries_nonfinite: True when a NaN/Inf entry of p reaches every worker's
-    #     decoded mean by itself (casts, dense): no NaN flag is exchanged.
-    #   all_finite(p, payload, aux) -> bool scalar: no NaN/Inf in p. The default
-    #     reads all of p; top-k and threshold read only what they selected,
-    #     which always includes a non-finite entry if there is one.
-    #   auto_two_phase: True when exchange="auto" may pick the two-phase
-    #     exchange for this (all-gathered) codec where it moves fewer bytes:
-    #     the quantisers and the uint16 cast, whose chunk means re-compress
-    #     like the chunks. False (default): "auto" is the all-gather.
+    # Optional hooks: jaxcomm.core.CompressorBase gives each a default (derive from it).
+    carries_nonfinite: bool
+    auto_two_phase: bool
+    agrees: bool
+
+    def decode_mean(self, received: Payload, aux: Any, d: int, dtype: Any, n: int) -> jax.Array:
+        """Mean over ``n`` workers; default ``decode(...) / n`` (sparse codecs scale k values)."""
+        ...
+
+    def all_finite(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
+        """Bool scalar: no NaN/Inf in ``p``. Default reads all of ``p``; top-k and
+        threshold read only what they selected (which holds any non-finite entry)."""
+        ...
 
 
 class CompressorBase:
-    """Defaults for :class:`Compressor` implementations."""
+    """Defaults for :class:`Compressor` implementations: derive every compressor from it.
+
+    Attributes:
+      carries_nonfinite: True when a NaN/Inf entry of ``p`` reaches every
+        worker's decoded mean by itself (casts, dense): no NaN flag is sent.
+      auto_two_phase: True when ``exchange="auto"`` may pick the two-phase
+        exchange for this (all-gathered) codec where it moves fewer bytes: the
+        quantisers and the uint16 cast, whose chunk means re-compress like the
+        chunks. False: ``"auto"`` is the all-gather.
+      axis_name: the mesh axis, for encoders that read it (its size, an
+        agreed value); None otherwise.
+      agrees: True when the workers first agree on a value per vector:
+        ``to_agree(p, key)`` gives it, the max over workers goes to
+        ``encode_agreed(p, key, agreed)`` (TernGrad's shared scale); all
+        vectors' values travel in one bucketed all-reduce.
+    """
 
     kind: str = "all_gather"
     needs_key: bool = False
     per_worker_key: bool = True
     auto_two_phase: bool = False
+    carries_nonfinite: bool = False
+    agrees: bool = False
+    axis_name: Any = None  # set by encoders that read the axis (its size, an agreed value)
+
+    def to_agree(self, p: jax.Array, key: jax.Array | None) -> jax.Array:
+        raise NotImplementedError(f"{type(self).__name__}: agrees=True needs to_agree")
+
+    def encode_agreed(self, p: jax.Array, key: jax.Array | None, agreed: jax.Array):
+        raise NotImplementedError(f"{type(self).__name__}: agrees=True needs encode_agreed")
 
     def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         own = payload if self.kind == "psum" else tuple(x[None] for x in payload)
@@ -317,12 +342,12 @@ def nan_flag_bytes(
     (for a vector of ``d`` entries of ``dtype`` over ``n_workers``).
     Counted once per transform and step, not per leaf.
     """
-    if getattr(compressor, "carries_nonfinite", False):
+    if compressor.carries_nonfinite:
         return 0
     if compressor.kind != "psum":
         return 1
     key = jax.random.key_data(jax.random.key(0)) if compressor.needs_key else None
-    axis = getattr(compressor, "axis_name", None)
+    axis = compressor.axis_name
     enc = lambda p: compressor.encode(p, key)[0]  # noqa: E731
     if axis is not None:  # encoders that read the axis size: trace under a bound axis
         enc = jax.vmap(enc, axis_name=axis, axis_size=n_workers)
@@ -545,7 +570,9 @@ def compress(
     axis_name = _xc.check_axis_name(axis_name)
     if not isinstance(compressor, Compressor):
         raise TypeError(
-            f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}"
+            f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}; "
+            "derive it from jaxcomm.core.CompressorBase, which gives the optional hooks "
+            "their defaults"
         )
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size: expected an int >= 0, got {min_size!r}")
@@ -558,7 +585,7 @@ def compress(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = check_state_dtype(state_dtype)
     mode = _xc.check_exchange(exchange, compressor.kind)
-    if mode not in ("gather", "auto") and getattr(compressor, "agrees", False):
+    if mode not in ("gather", "auto") and compressor.agrees:
         raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
     if mode == "reduce_scatter" and scope != "leaf":
         raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")

@@ -354,11 +354,7 @@ def choose_exchange(
     """
     if mode != "auto":
         return mode
-    if (
-        getattr(compressor, "kind", None) != "all_gather"
-        or not getattr(compressor, "auto_two_phase", False)
-        or not vectors
-    ):
+    if compressor.kind != "all_gather" or not compressor.auto_two_phase or not vectors:
         return "gather"
     if n is None:
         n = max(2, max(d for d, _ in vectors))  # every chunk a single entry

@@ -110,7 +110,7 @@ def _encode_all(
     workers, then ``encode_agreed(p, key, agreed)``; e.g. TernGrad's shared scale) gets all
     vectors' values agreed in one bucketed all-reduce, not one per leaf.
     """
-    if axis_name is not None and vecs and getattr(compressor, "agrees", False):
+    if axis_name is not None and vecs and compressor.agrees:
         values = [compressor.to_agree(v, k) for v, k in zip(vecs, keys)]
         agreed = buckets.pmax(values, axis_name, bucket_bytes)
         out = [compressor.encode_agreed(v, k, a) for v, k, a in zip(vecs, keys, agreed)]
@@ -123,10 +123,7 @@ def _decode_mean(
     compressor: Any, received: Payload, aux: Any, d: int, dtype: Any, n: int
 ) -> jax.Array:
     """Mean over ``n`` workers of the decoded (summed or gathered) payloads."""
-    if hasattr(compressor, "decode_mean"):
-        return compressor.decode_mean(received, aux, d, dtype, n)
-    total = compressor.decode(received, aux, d, dtype)
-    return total / jnp.asarray(n, total.dtype)
+    return compressor.decode_mean(received, aux, d, dtype, n)
 
 
 def _flag(ok: jax.Array, payload: Payload, kind: str) -> jax.Array:
@@ -171,8 +168,6 @@ def _encode(compressor: Any, step: Step, config: Config) -> tuple[list, jax.Arra
         jnp.stack(
             [
                 compressor.all_finite(vec, payload, aux)
-                if hasattr(compressor, "all_finite")
-                else jnp.isfinite(jnp.sum(vec * 0))
                 for vec, (payload, aux) in zip(step.vecs, encoded)
             ]
         )
@@ -186,7 +181,7 @@ def _put_mean(
     compressor: Any, step: Step, group: list[int], mean: jax.Array, ok: jax.Array, outputs: list
 ) -> None:
     """Write a group's decoded mean into ``outputs``, NaN where some worker's was not finite."""
-    if not getattr(compressor, "carries_nonfinite", False):
+    if not compressor.carries_nonfinite:
         # some worker's gradient was not finite: the update is NaN on every worker
         mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
     for i, sl in _slices(group, step.ps):
@@ -274,7 +269,7 @@ def _wire(
             summed.append((("leaf", i), step.grads[i]))
         if i in first:
             dest.extend((("group", first[i]), x) for x in encoded[first[i]][0])
-    if step.groups and not getattr(compressor, "carries_nonfinite", False):
+    if step.groups and not compressor.carries_nonfinite:
         dest.append((("flag", 0), _flag(ok, encoded[-1][0], compressor.kind)))
     sums = buckets.psum([x for _, x in summed], config.axis_name, config.bucket_bytes)
     gath = buckets.all_gather([x for _, x in gathered], config.axis_name, config.bucket_bytes)
@@ -367,7 +362,7 @@ def reduce_scatter(compressor: Any, step: Step, state: Any, config: Config) -> t
     for gi, group in enumerate(step.groups):
         (i,) = group  # scope="leaf"
         chunk = chunks[gi][: grads[i].size // n]
-        if not getattr(compressor, "carries_nonfinite", False):
+        if not compressor.carries_nonfinite:
             chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
         outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
         if config.error_feedback:
