@@ -36,12 +36,13 @@ def test_validation_windows_come_only_from_held_out_plays(plays):
 def test_every_variant_shares_dense_s_optimizer_and_schedule():
     dense = lm_shakespeare.get_config("dense")
     sched = train.learning_rate(dense)
-    # warm-up from 0 to the peak at step 20, cosine to 0.1x at step 300 (closed form)
-    peak = dense.optimizer.learning_rate
+    # warm-up from 0 to the peak at step 20, cosine to 0.1x at the last step (closed form)
+    peak, last = dense.optimizer.learning_rate, dense.num_train_steps
+    assert last == 200  # the study's length
     assert float(sched(0)) == 0.0 and float(sched(20)) == pytest.approx(peak)
-    mid = 20 + (300 - 20) // 2
+    mid = 20 + (last - 20) // 2
     assert float(sched(mid)) == pytest.approx(0.1 * peak + 0.9 * peak * 0.5, rel=1e-4)
-    assert float(sched(300)) == pytest.approx(0.1 * peak)
+    assert float(sched(last)) == pytest.approx(0.1 * peak)
     for name in lm_shakespeare.VARIANTS:
         c = lm_shakespeare.get_config(name)
         assert c.optimizer.to_dict() == dense.optimizer.to_dict(), name
