@@ -115,6 +115,7 @@ class CompressorBase:
     carries_nonfinite: bool = False
     agrees: bool = False
     axis_name: Any = None  # set by encoders that read the axis (its size, an agreed value)
+    state_cls: type | None = None  # the transform's CompressState subclass (state_class)
 
     def to_agree(self, p: jax.Array, key: jax.Array | None) -> jax.Array:
         raise NotImplementedError(f"{type(self).__name__}: agrees=True needs to_agree")
@@ -275,25 +276,16 @@ def check_float_leaves(leaves_with_path: Sequence[tuple[Any, Any]], what: str) -
             )
 
 
-_STATE_CLASSES: dict[str, type] = {}
-
-
 def state_class(compressor: Any) -> type:
-    """The :class:`CompressState` subclass of a compressor type, e.g. ``TopKState``.
+    """The state class of a compressor's transform: its ``state_cls``, e.g. ``TopKState``.
 
     Every transform built on :func:`compress` has the same fields, so without
     a class of its own one transform's state would pass for another's (top-k
-    given random-k's state ran silently). The classes are module attributes
-    of :mod:`jaxcomm.core` (picklable) and pytrees like any NamedTuple.
+    given random-k's state ran silently). Each jaxcomm compressor declares a
+    :class:`CompressState` subclass beside it; a compressor that declares none
+    gets :class:`CompressState`.
     """
-    name = type(compressor).__name__.lstrip("_") + "State"
-    cls = _STATE_CLASSES.get(name)
-    if cls is None:
-        cls = type(name, (CompressState,), {"__slots__": (), "__module__": __name__})
-        cls.__qualname__ = name
-        cls.__doc__ = f"State of the {type(compressor).__name__} transform (see CompressState)."
-        _STATE_CLASSES[name] = globals()[name] = cls
-    return cls
+    return type(compressor).state_cls or CompressState
 
 
 def check_scalar_count(state: Any, fn: str) -> None:

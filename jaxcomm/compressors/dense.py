@@ -13,8 +13,19 @@ from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.exchange import AxisName
 
 
+class DenseState(core.CompressState):
+    """State of the Dense transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class Dense(core.CompressorBase):
     """Identity payload, summed with an all-reduce."""
+
+    state_cls = DenseState
 
     kind = "psum"
     carries_nonfinite = True  # a NaN/Inf entry is summed into every worker's mean
@@ -58,6 +69,15 @@ def allreduce(
 _CAST_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
+class CastState(core.CompressState):
+    """State of the Cast transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class Cast(core.CompressorBase):
     """Payload cast to a 16-bit float.
 
@@ -73,6 +93,8 @@ class Cast(core.CompressorBase):
     itself costs 0.03x. XLA already widens bf16 all-reduces this way on CPU;
     the wire report then says 4 bytes per entry, as the program moves.
     """
+
+    state_cls = CastState
 
     carries_nonfinite = True  # NaN/Inf survive the cast and the sum: no NaN flag needed
     # exchange="auto": two-phase (uint16 both ways) where fewer bytes, with

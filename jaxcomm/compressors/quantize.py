@@ -92,6 +92,15 @@ def bucket_view(x: jax.Array, bucket_size: int) -> jax.Array:
 # --- int8 ---------------------------------------------------------------------------
 
 
+class Int8State(core.CompressState):
+    """State of the Int8 transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class Int8(core.CompressorBase):
     """Per-bucket max-abs scale, int8 codes in [-127, 127]; all-gathered.
 
@@ -99,6 +108,8 @@ class Int8(core.CompressorBase):
     with ``R`` = round-to-nearest, or stochastic rounding ``floor(x + u)``,
     ``u ~ U[0, 1)`` (unbiased). Payload: ``int8[d]`` codes + ``float32[nb]``.
     """
+
+    state_cls = Int8State
 
     kind = "all_gather"
     auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
@@ -211,6 +222,15 @@ def int8(
 # --- QSGD ---------------------------------------------------------------------------
 
 
+class QSGDState(core.CompressState):
+    """State of the QSGD transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class QSGD(core.CompressorBase):
     """QSGD: stochastic levels of ``‖v‖₂/s`` per bucket, sign + level bits packed.
 
@@ -218,6 +238,8 @@ class QSGD(core.CompressorBase):
     ``1 + bit_length(s)`` bits (= ``1 + ceil(log2(s+1))``), packed into a
     dense ``uint32`` bit stream; one float32 norm per bucket.
     """
+
+    state_cls = QSGDState
 
     kind = "all_gather"
     auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
@@ -344,6 +366,15 @@ def ternary_field_bits(n_workers: int) -> int:
     return packing.field_bits(2 * n_workers)
 
 
+class TernGradState(core.CompressState):
+    """State of the TernGrad transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class TernGrad(core.CompressorBase):
     """TernGrad: ``s·sign(g)·Bernoulli(|g|/s)``, ternary codes bit-packed.
 
@@ -356,6 +387,8 @@ class TernGrad(core.CompressorBase):
     ``"all_gather"``): 2-bit codes, 16 per uint32 word, and each worker's own
     float32 scale are all-gathered.
     """
+
+    state_cls = TernGradState
 
     needs_key = True
 

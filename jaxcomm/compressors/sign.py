@@ -42,6 +42,15 @@ def _signs(words: jnp.ndarray, d: int) -> jnp.ndarray:
 # --- 1-bit SGD ----------------------------------------------------------------------
 
 
+class OneBitState(core.CompressState):
+    """State of the OneBit transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class OneBit(core.CompressorBase):
     """Sign bits + two reconstruction values per bucket (mean of the >= 0 / < 0 entries).
 
@@ -49,6 +58,8 @@ class OneBit(core.CompressorBase):
     error of the 1-bit code; error feedback keeps what it misses. Payload:
     ``uint32[ceil(d/32)]`` + ``float32[nb, 2]``, all-gathered.
     """
+
+    state_cls = OneBitState
 
     kind = "all_gather"
     auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
@@ -157,8 +168,19 @@ def onebit(
 # --- EF-SignSGD ---------------------------------------------------------------------
 
 
+class ScaledSignState(core.CompressState):
+    """State of the ScaledSign transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class ScaledSign(core.CompressorBase):
     """``(‖p‖₁/d)·sign(p)``: sign bits + one float32 scale per leaf, all-gathered."""
+
+    state_cls = ScaledSignState
 
     kind = "all_gather"
     auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
@@ -248,6 +270,15 @@ def vote_field_bits(n_workers: int) -> int:
     return packing.field_bits(2 * n_workers)
 
 
+class MajorityVoteState(core.CompressState):
+    """State of the MajorityVote transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class MajorityVote(core.CompressorBase):
     """``sign(Σ_w sign(p_w))``; the votes are summed by one all-reduce of packed fields.
 
@@ -257,6 +288,8 @@ class MajorityVote(core.CompressorBase):
     :meth:`decode` returns ``n·sign(Σ)`` so that the generic mean over workers
     is ``sign(Σ)`` itself.
     """
+
+    state_cls = MajorityVoteState
 
     kind = "psum"
 
@@ -344,8 +377,19 @@ def sign_majority(
 # --- 2-bit threshold (MXNet) --------------------------------------------------------
 
 
+class TwoBitState(core.CompressState):
+    """State of the TwoBit transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class TwoBit(core.CompressorBase):
     """Codes 0 (zero), 1 (+τ), 2 (−τ), 16 per uint32 word, all-gathered."""
+
+    state_cls = TwoBitState
 
     kind = "all_gather"
     auto_two_phase = True  # exchange="auto": two-phase where fewer bytes

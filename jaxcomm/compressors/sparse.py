@@ -51,8 +51,19 @@ class _Sparse(core.CompressorBase):
         return self.slots(d) * (jnp.dtype(dtype).itemsize + 4)
 
 
+class TopKState(core.CompressState):
+    """State of the TopK transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class TopK(_Sparse):
     """The ``k = max(1, ceil(ratio*d))`` entries of largest magnitude (exact ``lax.top_k``)."""
+
+    state_cls = TopKState
 
     def __init__(self, ratio: float):
         self.ratio = ratio
@@ -124,6 +135,15 @@ def topk(
     )
 
 
+class RandomKState(core.CompressState):
+    """State of the RandomK transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class RandomK(_Sparse):
     """``k`` random entries; uniform without replacement or one per stratum.
 
@@ -135,6 +155,8 @@ class RandomK(_Sparse):
     probability that makes the rescaled estimate unbiased; stratified costs k
     random numbers instead of a permutation of d.
     """
+
+    state_cls = RandomKState
 
     needs_key = True
 
@@ -523,6 +545,15 @@ def _periods(k: int, d: int | None = None) -> tuple[int, int]:
     return best
 
 
+class ThresholdState(core.CompressState):
+    """State of the Threshold transform: the fields of :class:`jaxcomm.core.CompressState`.
+
+    A class of its own, so another transform's state is refused by name.
+    """
+
+    __slots__ = ()
+
+
 class Threshold(_Sparse):
     """Two-pass strided-block top-k with a sampled magnitude threshold; no sort of d.
 
@@ -556,6 +587,8 @@ class Threshold(_Sparse):
     uses the default pair for every ``d``, ``sample_kept=0`` the plain
     ``1/sample_ratio`` stride (the rules before these were found lacking).
     """
+
+    state_cls = ThresholdState
 
     def __init__(
         self,
