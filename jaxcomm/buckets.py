@@ -133,12 +133,11 @@ def pack(
     1-D pieces give one flat buffer; pieces ``(n, c_i)`` give ``(n, sum c_i)``
     (row j holds every piece's row j). Written with one in-place
     ``dynamic_update_slice`` per piece into a zero buffer, not with
-    ``concatenate``: XLA:CPU compiled the concatenate of the gradient leaves of
-    a 1.1M-parameter MLP into a loop that took 10-50 ms (10-45 ns per element,
-    varying from call to call) where the updates take ~1 ms. The pieces are
-    moved as unsigned words of their width: a chain of bf16 updates was
-    ~10x slower than the same chain on their uint16 bits (62 ResNet-18 leaves).
-    With ``prev`` the buffer waits for it (:func:`_after`).
+    ``concatenate``, which XLA:CPU compiled into a slow loop (against a
+    hand-fused concatenate: ``experiments/results/buckets.json``). The pieces
+    are moved as unsigned words of their width: on XLA:CPU a chain of bf16
+    updates was much slower than the same chain on their uint16 bits. With
+    ``prev`` the buffer waits for it (:func:`_after`).
     """
     dtype = jnp.dtype(pieces[0].dtype)
     word = _WORDS.get(dtype.itemsize) if dtype != jnp.bool_ else None

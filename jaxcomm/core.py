@@ -512,8 +512,7 @@ def compress(
         ``None``: float32 for bf16/fp16 leaves, the leaf's dtype otherwise.
         A bf16 residual rounds ``e + g`` to a bf16 neighbour of ``e`` when
         ``g`` is small next to it, so the mass of small gradients beside
-        large ones was lost (54-79% in a review's runs) or inflated. With a
-        float32 residual, ``g + e``
+        large ones is lost or inflated. With a float32 residual, ``g + e``
         is formed in float32, rounded to the gradient's dtype only to be
         encoded, and the residual keeps what was not sent, rounding
         included. Pass ``jnp.bfloat16`` to save the memory.

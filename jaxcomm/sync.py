@@ -415,10 +415,7 @@ def local_sgd(
         ``axis_name`` (e.g. ``jaxcomm.topk(0.01, axis_name="data")``) or a
         :class:`jaxcomm.Compressor` (wrapped with error feedback and
         ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging: leaves in all-reduce
-        buckets of one dtype and at most this many bytes, filled from the
-        last leaf to the first (default 25 MiB, as DDP); ``None`` or 0: one
-        all-reduce per leaf. Bit-identical results.
+      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`LocalSGDState`; its
@@ -529,10 +526,7 @@ def diloco(
       compressor: ``None``, a jaxcomm transform built with the same
         ``axis_name`` or a :class:`jaxcomm.Compressor` (wrapped with error
         feedback and ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging: leaves in all-reduce
-        buckets of one dtype and at most this many bytes, filled from the
-        last leaf to the first (default 25 MiB, as DDP); ``None`` or 0: one
-        all-reduce per leaf. Bit-identical results.
+      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`; its
@@ -647,10 +641,7 @@ def delayed_averaging(
       delay: steps between sending a gradient and using its mean, an int >= 0.
       axis_name: mesh axis to average over; ``None``: a single worker (the
         correction is zero).
-      bucket_bytes: tensor fusion of the averaging: leaves in all-reduce
-        buckets of one dtype and at most this many bytes, filled from the
-        last leaf to the first (default 25 MiB, as DDP); ``None`` or 0: one
-        all-reduce per leaf. Bit-identical results.
+      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DelayedAveragingState`;

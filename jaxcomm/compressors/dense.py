@@ -50,10 +50,7 @@ def allreduce(
     Args:
       axis_name: mesh axis to average over; ``None`` returns the updates as
         they are.
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; wire bytes = 4 per fp32 entry.
@@ -87,11 +84,11 @@ class Cast(core.CompressorBase):
 
     fp16 psum on the CPU backend: the fp16-rounded payload is widened to
     float32 for the all-reduce (``widened``). XLA:CPU's gloo communicator
-    sums F16 element by element through scalar half<->float conversions: a
-    bare fp16 all-reduce of 1.1M entries took 1.6-1.9x the fp32 one at 2
-    processes and 4.0-4.7x at 4 (torch's gloo: 0.7-1.4x), while the cast
-    itself costs 0.03x. XLA already widens bf16 all-reduces this way on CPU;
-    the wire report then says 4 bytes per entry, as the program moves.
+    sums F16 element by element through scalar half<->float conversions, so a
+    bare fp16 all-reduce is slower than the fp32 one, while the cast itself is
+    cheap (``experiments/results/peers.json``, ``castcost``). XLA already
+    widens bf16 all-reduces this way on CPU; the wire report then says 4
+    bytes per entry, as the program moves.
     """
 
     state_cls = CastState
@@ -180,12 +177,8 @@ def cast(
         server residual (``state.server``) that the psum does not have.
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
       exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
         With ``accumulate="psum"`` ``"auto"`` is that one all-reduce, as
@@ -212,9 +205,9 @@ def cast(
     CPU ``accumulate="psum"`` moves 4 bytes per entry, as dense fp32 does:
     the wire report says so (``jaxcomm.accounting.collective_bytes`` reads
     the same from HLO). That is why ``"auto"`` picks the ``uint16`` words
-    there: at 100 Mbit/s on 4 processes they took 568 ms/step against the
-    bf16 psum's 646 and dense fp32's 738 (README, two-phase). GPU (NCCL)
-    and TPU reduce bf16 and fp16 natively.
+    there (step times against the bf16 psum and dense fp32:
+    ``experiments/results/cast_words.json``). GPU (NCCL) and TPU reduce bf16
+    and fp16 natively.
 
     Example:
       >>> tx = optax.chain(jaxcomm.cast(jnp.bfloat16, axis_name="data"), optax.adam(1e-3))

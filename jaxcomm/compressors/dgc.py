@@ -195,8 +195,8 @@ def _nth_set(words: jax.Array, ranks: jax.Array, d: int) -> jax.Array:
     """int32: position of the ``ranks[j]``-th set bit (0-based) of ``words``; d past the last.
 
     A prefix sum over the words' popcounts (d/32 entries, not d), a binary
-    search per slot for its word, and the rank-th set bit inside the word:
-    about 3 gradient copies on XLA:CPU where ``jnp.nonzero(size=)`` costs ~40.
+    search per slot for its word, and the rank-th set bit inside the word: far
+    cheaper on XLA:CPU than ``jnp.nonzero(size=)``.
     """
     m = words.shape[0]
     pc = lax.population_count(words).astype(jnp.int32)
@@ -401,10 +401,8 @@ def dgc(
         all-gather each), the dense leaves in all-reduce buckets of one dtype,
         filled from the last leaf to the first. Default 25 MiB (DDP's);
         ``None`` or 0: one collective per array. Bit-identical results.
-      state_dtype: dtype of u and v (:func:`jaxcomm.core.resolve_state_dtype`):
-        ``None`` keeps them in float32 for bf16/fp16 params (in bf16,
-        ``v + g`` rounds small gradients away beside large entries), the
-        param dtype otherwise. The payload is sent in the grads' dtype.
+      state_dtype: dtype of u and v (see :func:`jaxcomm.compress`); the
+        payload is sent in the grads' dtype.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DGCState` (u and v in

@@ -260,18 +260,15 @@ def powersgd(
         ``(kh·kw·in, out)``; Dense ``(in, out)``). ``"first"``: ``(shape[0],
         rest)``, torch's view, for torch-layout weights (conv ``(out, in, kh,
         kw)``). With ``"first"`` a Flax HWIO kernel is a kh-row matrix that
-        the compression-rate rule leaves dense: on a Flax ResNet-18 only 2 of
-        21 kernels were compressed (44.7 MB per step instead of ~0.35 MB).
-        Both are plain reshapes, no transposes. :func:`leaf_plan` lists
+        the compression-rate rule leaves dense (most conv kernels then go
+        uncompressed). Both are plain reshapes, no transposes. :func:`leaf_plan` lists
         which leaves are compressed and why the others go dense.
       bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
         of at most this many bytes, one all-reduce each, filled from the last
         leaf to the first; then all Q's likewise. Default 25 MiB (DDP's);
         ``None`` or 0: one all-reduce per matrix. Bit-identical results.
-      state_dtype: dtype of the residual (:func:`jaxcomm.core.resolve_state_dtype`):
-        ``None`` keeps it in float32 for bf16/fp16 params (a bf16 residual
-        rounds ``M = g + e`` back and loses small gradients), the param dtype
-        otherwise. Q is always float32. Updates come out in the grads' dtype.
+      state_dtype: dtype of the residual (see :func:`jaxcomm.compress`); Q is
+        always float32.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`.

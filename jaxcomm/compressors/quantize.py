@@ -59,11 +59,11 @@ def sum_over_workers(decode_one: Callable[..., jax.Array], payload: tuple) -> ja
     """``Σ_w decode_one(*payload[w])`` over the leading worker axis of an all-gathered payload.
 
     Up to ``UNROLL`` workers: a sum of n static terms, which XLA fuses into one pass that
-    reads every worker's packed codes and writes the ``(d,)`` result once (measured at
-    d=4M, n=8: ef_sign 12.7x -> 5.9x a copy, twobit 11.8x -> 4.6x). More workers are
-    streamed through a ``lax.scan`` accumulator. Either way the ``(n, d)`` intermediate
-    is never built: XLA:CPU reduces a fused ``(n, d)`` expression over its major axis
-    ~50x slower.
+    reads every worker's packed codes and writes the ``(d,)`` result once (decode cost
+    against a gradient copy: ``python -m experiments.bench.compressors``). More workers
+    are streamed through a ``lax.scan`` accumulator. Either way the ``(n, d)``
+    intermediate is never built: XLA:CPU reduces a fused ``(n, d)`` expression over its
+    major axis far slower.
     """
     n = payload[0].shape[0]
     if n <= UNROLL:
@@ -177,20 +177,9 @@ def int8(
       axis_name: mesh axis to average over; ``None`` quantises locally.
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -311,20 +300,9 @@ def qsgd(
       error_feedback: keep the quantisation error in a residual (the plain
         method, unbiased, has none).
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -502,20 +480,9 @@ def terngrad(
       share_scale: agree on one scale across workers and psum the codes.
       error_feedback: keep ``p − g̃`` (clipping loss included) in a residual.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
         With ``share_scale`` the codes are summed: ``"auto"`` is that one
         all-reduce (only ``"gather"``/``"auto"`` are accepted).
 

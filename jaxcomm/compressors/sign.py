@@ -127,20 +127,9 @@ def onebit(
       error_feedback: keep ``p − p̂`` in a residual (the method relies on it;
         turn off only to study its effect).
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -226,20 +215,9 @@ def ef_sign(
       error_feedback: keep ``p − C(p)`` in a residual. ``False`` gives plain
         scaled signSGD, which Karimireddy et al. show can fail to converge.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -344,12 +322,8 @@ def sign_majority(
     Args:
       axis_name: mesh axis to vote over; ``None`` returns ``sign(g)``.
       min_size: leaves with fewer entries are averaged densely (not signed).
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -444,20 +418,9 @@ def twobit(
       threshold: τ > 0.
       axis_name: mesh axis to average over; ``None`` quantises locally.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        ``"auto"`` takes the one that moves fewer bytes for the axis size
-        (decided at trace time): the all-gather on 2 workers, two-phase
-        (``state.server`` with error feedback) on more, unless the leaves are
-        so small that the chunks' scales and padding outweigh the saving.
-        Force ``"gather"`` where compute, not the link, bounds the step (fast
-        links, workers sharing cores: two-phase encodes and decodes twice).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.

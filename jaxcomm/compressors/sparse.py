@@ -106,12 +106,8 @@ def topk(
       scope: ``"leaf"`` (k per leaf) or ``"global"`` (k of the whole
         flattened tree of compressible leaves).
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -255,12 +251,8 @@ def randomk(
         d) or ``"stratified"`` (one uniform index in each of k equal strata;
         costs k random numbers). See :class:`RandomK`.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -298,9 +290,8 @@ def kth_largest(a: jax.Array, k: int) -> jax.Array:
 
     Bisection over the uint32 bit patterns (which order like the floats):
     32 rounds of "how many entries reach t?", each one compare-and-count
-    pass over ``a``. Exact, and far cheaper than ``lax.top_k``/``sort`` on
-    XLA:CPU for the sample sizes used here (a 40K-entry sort costs ~17
-    gradient copies of 4M; 32 counting passes over 40K cost ~0.3).
+    pass over ``a``. Exact, and cheaper than ``lax.top_k``/``sort`` on
+    XLA:CPU for the sample sizes used here.
     """
     bits = lax.bitcast_convert_type(a, jnp.uint32)
 
@@ -356,8 +347,8 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     its low bits, its row (ties, and values equal in all but the low R
     mantissa bits, go to the first row): exact up to a relative ``2^(R-23)``
     of the block maximum; the value later sent is read from the gradient
-    itself, so it is exact. (On XLA:CPU a variadic argmax reduction costs
-    ~7x a plain max.) NaN and Inf are mapped to the largest finite float
+    itself, so it is exact. (On XLA:CPU a variadic argmax reduction is much
+    slower than a plain max.) NaN and Inf are mapped to the largest finite float
     first, so that a non-finite entry wins its block. A block whose maximum
     is zero or subnormal may report any row (flushed subnormals have no low
     bits); it is clamped into the array, and the value there is ~0.
@@ -381,15 +372,12 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
         return lax.bitcast_convert_type((pattern & ~low) | (low - r), jnp.float32)
 
     # Fold the rows in halves (max of the first and last ceil(r/2) rows), log2(rows)
-    # times: every step is elementwise over contiguous rows. On XLA:CPU a reduction
-    # over axis 0 measured ~2 gradient copies (strided or transposed), and a
-    # concatenate in the folds breaks their fusion (~1.4); these folds fuse with the
-    # key computation, except where XLA:CPU's grouping of levels into fusions leaves
-    # the keys alone and writes them out first (one more copy): at d = 1e7 the
-    # maximum took ~0.2 of a copy for m <= 4801 and ~0.9 for 4903 <= m <= 8009,
-    # with the same results. With an odd row count the middle
-    # row is in both halves: harmless for the maximum, and masked out of the
-    # second operand (row 0 of the last half) for the runner-up.
+    # times: every step is elementwise over contiguous rows and fuses with the key
+    # computation. On XLA:CPU a reduction over axis 0 (strided or transposed) was
+    # slower, and a concatenate in the folds breaks their fusion (cost against a
+    # gradient copy: python -m experiments.bench.compressors). With an odd row
+    # count the middle row is in both halves: harmless for the maximum, and masked
+    # out of the second operand (row 0 of the last half) for the runner-up.
     best = keys(a[: rows * m].reshape(rows, m), 0)
     none = jnp.float32(-jnp.inf)
     lo = jnp.full_like(best, none) if second else None
@@ -404,8 +392,7 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
                 h2, lo2 = jnp.where(middle, none, h2), jnp.where(middle, none, lo2)
             lo = jnp.maximum(jnp.minimum(h1, h2), jnp.maximum(lo[:c], lo2))
             # Both keys travel to the next level as one complex64 array behind a
-            # barrier: as two arrays XLA:CPU computed each level's input twice
-            # (d = 1e7, m = 4013: ~1.3 gradient copies for this pass, ~0.2 now).
+            # barrier: as two arrays XLA:CPU computed each level's input twice.
             z = lax.optimization_barrier(lax.complex(jnp.maximum(h1, h2), lo))
             best, lo = jnp.real(z), jnp.imag(z)
         else:
@@ -442,7 +429,7 @@ def _default_periods(k: int) -> tuple[int, int]:
 
 
 # How much work the choice of periods may do, per (k, d) and once per process:
-# band entries scored (~0.1 us each in NumPy), and pairs tried.
+# band entries scored (in NumPy), and pairs tried.
 _PERIODS_BUDGET = 50_000_000
 _PERIODS_CANDIDATES = 16
 
@@ -482,8 +469,8 @@ def _periods(k: int, d: int | None = None) -> tuple[int, int]:
     1% for ``k >= 1000``): the wire size depends on ``k`` alone. Which pair of
     primes summing to ``S`` depends on ``d``: a band of adjacent columns of a
     matrix with row length ``c`` is a lattice of ``c`` modulo the period, and
-    some pairs crowd it into few classes (8 adjacent columns of a (3072, 768)
-    leaf: 38% of ``k`` sent with the default pair). For every factorisation
+    some pairs crowd it into few classes (measured in
+    ``experiments/results/threshold_fill.json``). For every factorisation
     ``d = R·c`` whose columns are shorter than ``S``, the band of
     ``round(k/R)`` adjacent columns is scored by the entries the two passes
     send of it (:func:`_band_fill`), and the pair with the best worst case
@@ -675,8 +662,9 @@ def threshold(
 ) -> optax.GradientTransformation:
     """Fast sparsification: two-pass strided-block top-k with a sampled threshold.
 
-    Exact top-k sorts (``lax.top_k`` costs ~7x a gradient copy on XLA:CPU at
-    d = 1e7). This path uses only reductions and elementwise ops. The payload
+    Exact top-k sorts (``lax.top_k``); this path uses only reductions and
+    elementwise ops (its cost against top-k and a gradient copy:
+    ``python -m experiments.bench.compressors``). The payload
     has ``S = m1 + m2 <= k = ceil(ratio·d)`` slots: ``S`` is the sum of the
     largest prime ``<= ceil(0.6·k)`` and the largest other prime ``<= k``
     minus it, and ``(m1, m2)`` the pair of distinct primes summing to ``S``
@@ -688,42 +676,32 @@ def threshold(
     halves. With ``sample_ratio`` a slot is filled only if its entry reaches
     the top-``ratio`` threshold estimated from the sample ``p[::s]`` (``s``
     the smallest prime ``>= round(1/sample_ratio)``; Strom 2015; DGC), or a
-    denser one where the sample would keep fewer than 32 entries (small
-    leaves: with one kept entry the threshold is the sample's maximum, and
-    on 40 i.i.d. normal draws of a (3, 3, 32, 32) kernel 19 sent less than
-    half of the true top-k, one 2 of 93; now all send >= 67%; it costs time
-    on small leaves: at ratio 0.001, d = 1e5, encode + exchange + decode
-    went from 3.3x to ~7x a gradient copy on 8 CPU devices); with
+    denser one where the sample would keep fewer than 32 entries (on small
+    leaves a threshold from one kept sample entry, the sample's maximum,
+    sent far less than the top-k; the denser sample costs time there); with
     ``sample_ratio=None`` every slot's entry is sent. What is not sent stays
     in the residual. The payload is values + int32 indices, all-gathered
     like top-k; the wire is billed for all ``m1 + m2`` slots.
 
     Why strided, prime, and two periods: with contiguous blocks of
     ``1/ratio`` entries, mass concentrated in a few rows of a matrix leaf
-    falls into a few blocks (10 heavy rows of a (1000, 1000) leaf: 384 of
-    10,000 slots used). Interleaved blocks with a prime period spread a row
-    (consecutive entries) and a column (entries a row length apart) over
+    falls into a few blocks. Interleaved blocks with a prime period spread a
+    row (consecutive entries) and a column (entries a row length apart) over
     distinct slots, but with one period some layouts crowd into few classes
-    (10 *adjacent* columns: row length 1000 against period 9973 is a lattice,
-    4,394 of 10,000 true top-k entries sent). A second, coprime period
-    rarely crowds the same entries, but a fixed pair still did for some
-    shapes: 8 adjacent columns of a (3072, 768) leaf, 38% of k sent; 40 of
-    a (256, 4000) leaf, 42%. So the pair is chosen when the update is
+    (adjacent columns whose row length is a lattice modulo the period). A
+    second, coprime period rarely crowds the same entries, but a fixed pair
+    still did for some shapes. So the pair is chosen when the update is
     traced, from ``d`` alone (every worker picks the same): for every
     factorisation ``d = R·c`` (any view of the leaf as ``R`` rows of length
     ``c``, e.g. a Flax kernel's output features or an HWIO kernel's
     ``Cin·Cout``), a band of adjacent columns holding ~k entries is scored
     by the entries the two passes would send, and of the default pair and 16
     others summing to ``S`` the one with the best worst case is used (this
-    scoring runs once per ``(k, d)`` and process, in NumPy, within a work
-    budget: 0.1-2.8 s measured for d from 1e6 to 1e8 at ratio 0.01).
-    Worst band over all factorisations, then the leaf's own: (3072, 768)
-    24% → 69%, 76% sent by the transform; (256, 4000) 13% → 65%, 77%;
-    (1000, 1000) 57% → 71%. Measured on (1000, 1000) at ratio 0.01 with the
-    sample threshold (tests/test_sparse.py), true top-k entries sent of
-    k = 10,000: 10 random rows 7,008; 10 random columns 6,371; 10 adjacent
-    rows 8,238; 10 adjacent columns 7,923; i.i.d. normal 6,837 (random rows
-    and columns: 72-74% on average over 30 draws, with either pair).
+    scoring runs once per ``(k, d)`` and process, in NumPy, within a fixed
+    work budget). The share of the true top-k sent on structured, small and
+    real leaves, before and after these rules, is in
+    ``experiments/results/threshold_fill.json``
+    (``python -m experiments.bench.threshold_fill``).
     Entries that share a slot wait in the residual for a later step. To see
     how many slots a step actually fills, call :func:`threshold_usage` with
     the gradient and ``state.residual``.
@@ -737,12 +715,8 @@ def threshold(
       error_feedback: keep unsent entries in a residual. Strongly advised:
         without it, entries beyond one per slot are lost.
       min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual; ``None``: float32 for
-        bf16/fp16 params, the params' dtype otherwise (see ``jaxcomm.core.compress``).
-      bucket_bytes: tensor fusion: payloads of all leaves are packed into one
-        collective per bucket of at most this many bytes, filled from the last
-        leaf to the first (default 25 MiB, as PyTorch DDP); ``None`` or 0: one
-        collective per leaf. Bit-identical results (see :mod:`jaxcomm.buckets`).
+      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -783,8 +757,7 @@ def threshold_usage(
     ``state.residual``; ``None`` for a zero residual) and returns, for every
     leaf that is compressed (``scope="leaf"``), the int32 count of payload
     slots carrying a nonzero entry and the static number of slots the wire
-    is billed for. Runs under ``jit``; costs about one encode (the two
-    passes: ~1 gradient copy at d = 1e7).
+    is billed for. Runs under ``jit``; costs about one encode (the two passes).
 
     Example:
       >>> used = jaxcomm.compressors.sparse.threshold_usage(grads, state.residual, ratio=0.01)

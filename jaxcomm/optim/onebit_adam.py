@@ -81,10 +81,7 @@ def onebit_adam(
       axis_name: mesh axis to average over; ``None``: one worker (the
         compression still applies, locally).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
-      exchange: the momentum exchange, as :func:`jaxcomm.compress`'s
-        ``exchange``: ``"auto"`` (the one that moves fewer bytes for the axis
-        size: two-phase on more than 2 workers for leaves of more than a few
-        hundred entries), ``"two_phase"`` or ``"gather"``.
+      exchange: ``"auto"``, ``"two_phase"`` or ``"gather"`` (see :func:`jaxcomm.compress`).
       min_size: leaves with fewer entries have their momentum averaged densely.
       bucket_bytes: tensor fusion of every collective, as elsewhere.
 
