@@ -109,3 +109,26 @@ def cross_module_private_names() -> list[str]:
 
 def test_no_module_reaches_another_modules_private_names():
     assert cross_module_private_names() == []
+
+
+def body_lines(fn: ast.AST) -> int:
+    """Source lines of a function's body: docstring excluded, nested functions not counted."""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    lines = {n for stmt in body for n in range(stmt.lineno, stmt.end_lineno + 1)}
+    for stmt in body:
+        for node in ast.walk(stmt):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines -= set(range(node.lineno, node.end_lineno + 1))
+    return len(lines)
+
+
+def test_no_function_body_over_60_lines():
+    long = []
+    for path in (ROOT / "jaxcomm").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := body_lines(node)) > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"split these into stages of ~30 lines: {long}"

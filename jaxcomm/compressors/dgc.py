@@ -322,6 +322,27 @@ def _select(v: jax.Array, plan: _Plan, offset: jax.Array, step: jax.Array) -> ja
 # --- the transform ------------------------------------------------------------------
 
 
+def _correct_momentum(grads, us, vs, m, nesterov: bool):
+    """Momentum correction: the new momentum u (None without it) and what is added to v.
+
+    ``us`` None: no momentum correction, the gradient itself is accumulated.
+    """
+    new_u = list(us) if us is not None else None
+    acc: dict[int, jax.Array] = {}
+    for i, g in enumerate(grads):
+        x = g.astype(vs[i].dtype)
+        if us is not None:
+            if nesterov:
+                new_u[i] = m * (us[i] + x)
+                acc[i] = new_u[i] + x
+            else:
+                new_u[i] = m * us[i] + x
+                acc[i] = new_u[i]
+        else:
+            acc[i] = x
+    return new_u, acc
+
+
 def dgc(
     ratio: float = 0.001,
     *,
@@ -466,7 +487,6 @@ def dgc(
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         core.check_float_leaves(with_path, "updates")
         exchange.check_per_worker(updates, axis_name)
-        exchange.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         n = 1 if axis_name is None else exchange.axis_size(axis_name)
 
@@ -480,22 +500,8 @@ def dgc(
         vs = treedef.flatten_up_to(state.velocity)
         sparse = [i for i, g in enumerate(grads) if g.size >= max(min_size, 1)]
         outputs: list[jax.Array | None] = [None] * len(grads)
-        new_u = list(us) if momentum_correction else None
         new_v = list(vs)
-
-        # Momentum correction: u (momentum) and what is added to v / sent dense.
-        acc: dict[int, jax.Array] = {}
-        for i, g in enumerate(grads):
-            x = g.astype(vs[i].dtype)
-            if momentum_correction:
-                if nesterov:
-                    new_u[i] = m * (us[i] + x)
-                    acc[i] = new_u[i] + x
-                else:
-                    new_u[i] = m * us[i] + x
-                    acc[i] = new_u[i]
-            else:
-                acc[i] = x
+        new_u, acc = _correct_momentum(grads, us, vs, m, nesterov)
         dense = [i for i in range(len(grads)) if i not in sparse]
         # dense: mean of the momentum = momentum of the mean
         sends = [acc[i].astype(grads[i].dtype) for i in dense]

@@ -184,6 +184,27 @@ def _fresh_q(key: jax.Array, plan: list[_Leaf | None]) -> tuple[jax.Array, ...]:
     return tuple(qs)
 
 
+def _matrices(grads, residuals, plan, comp) -> dict[int, jax.Array]:
+    """Each compressed leaf as its (a, b) float32 matrix, plus its residual (``M = G + E``)."""
+    ms = {}
+    for i in comp:
+        m = grads[i].reshape(plan[i].a, plan[i].b).astype(jnp.float32)
+        if residuals is not None:
+            m = m + residuals[i].reshape(m.shape).astype(jnp.float32)
+        ms[i] = m
+    return ms
+
+
+def _batches(plan, comp, batch_same_shape: bool) -> list[list[int]]:
+    """Groups of leaves computed as one batch: same (a, b, r), or one leaf each."""
+    if not batch_same_shape:
+        return [[i] for i in comp]
+    by_shape: dict[_Leaf, list[int]] = {}
+    for i in comp:
+        by_shape.setdefault(plan[i], []).append(i)
+    return list(by_shape.values())
+
+
 def powersgd(
     rank: int = 2,
     *,
@@ -345,23 +366,9 @@ def powersgd(
             new_key, step_key = jax.random.split(state.key)
             qs = list(_fresh_q(step_key, plan))
 
-        ms = {}
-        for i in comp:
-            m = grads[i].reshape(plan[i].a, plan[i].b).astype(jnp.float32)
-            if error_feedback:
-                m = m + residuals[i].reshape(m.shape).astype(jnp.float32)
-            ms[i] = m
+        ms = _matrices(grads, residuals, plan, comp)
         q_of = dict(zip(comp, qs))
-
-        # Groups of leaves computed as one batch: (a, b, r) -> leaf indices.
-        groups: list[list[int]] = []
-        if batch_same_shape:
-            by_shape: dict[_Leaf, list[int]] = {}
-            for i in comp:
-                by_shape.setdefault(plan[i], []).append(i)
-            groups = list(by_shape.values())
-        else:
-            groups = [[i] for i in comp]
+        groups = _batches(plan, comp, batch_same_shape)
         m_b = [jnp.stack([ms[i] for i in grp]) for grp in groups]  # (k, a, b)
         q_b = [jnp.stack([q_of[i] for i in grp]) for grp in groups]  # (k, b, r)
 
