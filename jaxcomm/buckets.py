@@ -104,10 +104,6 @@ def plan(sizes: Sequence[int], keys: Sequence[Any], bucket_bytes: int | None) ->
     return out
 
 
-def _varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    return collectives.as_varying(x, axis_name)
-
-
 def _after(buf: jax.Array, prev: jax.Array | None) -> jax.Array:
     """``buf`` itself, but computed from ``prev`` too: the next bucket waits for the last.
 
@@ -146,11 +142,13 @@ def pack(
         return lax.bitcast_convert_type(pack(bits, axis_name, prev), dtype)
     lead = tuple(pieces[0].shape[:-1])
     total = sum(int(x.shape[-1]) for x in pieces)
-    buf = _varying(jnp.zeros(lead + (total,), dtype), axis_name)
+    buf = collectives.as_varying(jnp.zeros(lead + (total,), dtype), axis_name)
     offset = 0
     for x in pieces:
         if x.shape[-1]:
-            buf = lax.dynamic_update_slice_in_dim(buf, _varying(x, axis_name), offset, axis=-1)
+            buf = lax.dynamic_update_slice_in_dim(
+                buf, collectives.as_varying(x, axis_name), offset, axis=-1
+            )
         offset += int(x.shape[-1])
     return _after(buf.reshape(-1), prev).reshape(buf.shape)
 

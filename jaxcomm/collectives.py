@@ -127,10 +127,15 @@ def is_manual_axis(axis_name: AxisName) -> bool:
     return all(a in manual for a in names)
 
 
-def _varying_names(x: Any) -> frozenset:
-    """Mesh axes over which shard_map's type system says ``x`` varies."""
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
+def varying_names(x: Any) -> frozenset:
+    """Mesh axes over which shard_map's type system says ``x`` varies.
+
+    ``x``: an array, a tracer, or a ``ShapeDtypeStruct`` (which carries its type).
+    """
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is None:
+        mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
 
 
 def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -145,7 +150,7 @@ def as_varying(x: jax.Array, axis_name: AxisName) -> jax.Array:
     if not is_manual_axis(axis_name):
         return x
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    varying = _varying_names(x)
+    varying = varying_names(x)
     missing = tuple(a for a in names if a not in varying)
     if missing:
         x = lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
@@ -168,10 +173,10 @@ def check_per_worker(tree: Any, axis_name: AxisName | None, what: str = "updates
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     # pmap and shard_map(check_vma=False) do not track varying values: the
     # worker index itself is then untyped, and there is nothing to check.
-    if not _varying_names(lax.axis_index(names[0])):
+    if not varying_names(lax.axis_index(names[0])):
         return
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        varying = _varying_names(x)
+        varying = varying_names(x)
         missing = [a for a in names if a not in varying]
         if missing:
             where = jax.tree_util.keystr(path) or "<root>"

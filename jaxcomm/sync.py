@@ -34,11 +34,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from jaxcomm import accounting, buckets, core, exchange
+from jaxcomm.collectives import as_varying, varying_names
 from jaxcomm.exchange import AxisName
 
 __all__ = [
@@ -201,21 +201,6 @@ def _inc(x: jax.Array) -> jax.Array:
     return optax.safe_int32_increment(x)
 
 
-def _varying(x: Any) -> frozenset:
-    """Mesh axes ``x`` (an array or a ``ShapeDtypeStruct``) is typed varying over."""
-    mat = getattr(x, "manual_axis_type", None)
-    if mat is None and isinstance(x, jax.Array | np.ndarray | np.generic):
-        mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _as_varying(x: jax.Array, axes: frozenset) -> jax.Array:
-    missing = tuple(sorted(axes - _varying(x)))
-    if missing:
-        x = lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
-    return x
-
-
 def typed_cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands: Any) -> Any:
     """``lax.cond`` whose two branches return values typed alike under ``shard_map``.
 
@@ -226,12 +211,12 @@ def typed_cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands
     """
     t_leaves, treedef = jax.tree.flatten(jax.eval_shape(true_fn, *operands))
     f_leaves = jax.tree.leaves(jax.eval_shape(false_fn, *operands))
-    want = [_varying(a) | _varying(b) for a, b in zip(t_leaves, f_leaves)]
+    want = [varying_names(a) | varying_names(b) for a, b in zip(t_leaves, f_leaves)]
 
     def typed(fn):
         def branch(*ops):
             out = jax.tree.leaves(fn(*ops))
-            return treedef.unflatten([_as_varying(x, w) for x, w in zip(out, want)])
+            return treedef.unflatten([as_varying(x, tuple(sorted(w))) for x, w in zip(out, want)])
 
         return branch
 
