@@ -10,6 +10,11 @@ preconditioner. 0/1 Adam (Lu et al. 2022) refreshes ``v`` only on an
 exponentially thinning schedule of steps, compresses every other step, and
 after freezing ``v`` takes local steps, synchronising the accumulated update
 (1-bit, with error feedback) at doubling intervals.
+
+Both are optax transforms of their own rather than compressors on the
+:func:`jaxcomm.compress` pipeline: what they exchange is Adam's momentum or
+the accumulated local update, on schedules of their own, not the gradient;
+they reuse the pipeline's pieces (the two-phase exchange, buckets, the NaN rule).
 """
 
 from jaxcomm.optim.onebit_adam import OnebitAdamState, onebit_adam
