@@ -44,37 +44,50 @@ from absl import app, flags
 from experiments.studies import runs
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["digits_mlp", "wide_mlp"], "models (see MODELS)")
-flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "link rates")
-flags.DEFINE_list("processes", ["2"], "process counts")
-flags.DEFINE_list(
-    "methods",
-    [
-        "dense",
-        "dense_leaf",
-        "bf16",
-        "topk",
-        "threshold",
-        "dgc",
-        "powersgd",
-        "ef_sign",
-        "local_sgd",
-        "diloco",
-    ],
-    "digits_mlp config variants",
-)
-flags.DEFINE_float("max_run_s", 150.0, "longest full run; slower cells are probed and extrapolated")
-flags.DEFINE_integer("probe_steps", 25, "steps measured in an extrapolated cell")
-flags.DEFINE_string("out", "experiments/results/netstudy.json", "JSON written (and updated) here")
-flags.DEFINE_string("workroot", "runs/netstudy", "workdirs of the runs")
-flags.DEFINE_bool("report", False, "only print the markdown tables and write the plot from --out")
-flags.DEFINE_bool("alpha_worker", False, "internal: time chained scalar psums (run by --alpha)")
-flags.DEFINE_list(
-    "rerun", [], "cells to measure again although --out has them: MODEL/N/METHOD (all rates)"
-)
-flags.DEFINE_bool(
-    "repredict", False, "only recompute the netsim predictions of the cells in --out, then report"
-)
+
+
+def define_flags() -> None:
+    """The command's flags (defined only when run, so the module imports beside others)."""
+    flags.DEFINE_list("models", ["digits_mlp", "wide_mlp"], "models (see MODELS)")
+    flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "link rates")
+    flags.DEFINE_list("processes", ["2"], "process counts")
+    flags.DEFINE_list(
+        "methods",
+        [
+            "dense",
+            "dense_leaf",
+            "bf16",
+            "topk",
+            "threshold",
+            "dgc",
+            "powersgd",
+            "ef_sign",
+            "local_sgd",
+            "diloco",
+        ],
+        "digits_mlp config variants",
+    )
+    flags.DEFINE_float(
+        "max_run_s", 150.0, "longest full run; slower cells are probed and extrapolated"
+    )
+    flags.DEFINE_integer("probe_steps", 25, "steps measured in an extrapolated cell")
+    flags.DEFINE_string(
+        "out", "experiments/results/netstudy.json", "JSON written (and updated) here"
+    )
+    flags.DEFINE_string("workroot", "runs/netstudy", "workdirs of the runs")
+    flags.DEFINE_bool(
+        "report", False, "only print the markdown tables and write the plot from --out"
+    )
+    flags.DEFINE_bool("alpha_worker", False, "internal: time chained scalar psums (run by --alpha)")
+    flags.DEFINE_list(
+        "rerun", [], "cells to measure again although --out has them: MODEL/N/METHOD (all rates)"
+    )
+    flags.DEFINE_bool(
+        "repredict",
+        False,
+        "only recompute the netsim predictions of the cells in --out, then report",
+    )
+
 
 # Model overrides on top of experiments/configs/digits_mlp.py.
 MODELS = {
@@ -438,4 +451,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
