@@ -192,6 +192,7 @@ def lm_plot(results: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     verdicts = lm_verdicts(results)
     panels = [(n, r) for n, v in verdicts.items() for r in v["rates"]]
@@ -211,6 +212,7 @@ def lm_plot(results: dict, path: str) -> None:
                         label=m if r["seed"] == 0 else None)  # fmt: skip
         ax.axhline(verdicts[n]["target"]["target"], color="gray", lw=0.8, ls="--")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded labels
         ax.set_ylim(top=3.2)
         ax.set_title(f"{n} processes, {RATE_NAMES[rate]}", fontsize=9)
         ax.set_xlabel("training time (s)")
