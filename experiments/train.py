@@ -283,6 +283,9 @@ def checkpoint_manager(workdir: str) -> ocp.CheckpointManager:
 
 
 CHECKSUMS = "jaxcomm_checksums.p{}.json"  # beside orbax's files in checkpoints/<step>/
+# In checkpoints/: written before the first save of a run that writes checksums, so that a
+# checkpoint without them is known to be interrupted, not one from before checksums existed.
+CHECKSUMS_MARKER = "jaxcomm_checksums_required"
 
 
 def _shard_digests(state: Any) -> tuple[dict[str, str], bool]:
@@ -353,6 +356,9 @@ def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> boo
             mngr.latest_step(),
         )
         return False
+    marker = os.path.join(str(mngr.directory), CHECKSUMS_MARKER)
+    if jax.process_index() == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
     mngr.save(step, args=ocp.args.StandardSave(distributed.key_data(state)))
     mngr.wait_until_finished()
     path = os.path.join(str(mngr.directory), str(step), CHECKSUMS.format(jax.process_index()))
@@ -422,6 +428,11 @@ def verify_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> N
     ]
     if bad:
         raise CorruptCheckpoint(f"checkpoint at step {step}: NaN/Inf in {', '.join(bad[:5])}")
+    if not files and os.path.exists(os.path.join(str(mngr.directory), CHECKSUMS_MARKER)):
+        raise CorruptCheckpoint(
+            f"checkpoint at step {step}: no checksum files (its save was interrupted after "
+            "orbax finished and before the checksums were written)"
+        )
     if not files:
         logging.warning(
             "checkpoint at step %d has no checksums (older format): finiteness only", step

@@ -94,7 +94,12 @@ def test_kill9_then_resume_equals_uninterrupted(tmp_path):
     full = launch(2, 1, *main, f"--workdir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stdout[-3000:]
 
-    # Kill process 1 with SIGKILL as soon as the checkpoint of step 100 is complete.
+    # Kill process 1 with SIGKILL as soon as the checkpoint of step 100 is complete: orbax's
+    # directory and both processes' checksum files (written after orbax finishes).
+    complete = lambda step: all(
+        os.path.isfile(work / "checkpoints" / str(step) / f"jaxcomm_checksums.p{i}.json")
+        for i in range(2)
+    )
     work = tmp_path / "killed"
     argv = [
         sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1",
@@ -110,7 +115,7 @@ def test_kill9_then_resume_equals_uninterrupted(tmp_path):
     pid = None
     while time.monotonic() < deadline and proc.poll() is None:
         found = [m for line in list(lines) for m in re.findall(r"p1 started \(pid (\d+)\)", line)]
-        if found and os.path.isdir(work / "checkpoints" / "100"):
+        if found and complete(100):
             pid = int(found[0])
             os.kill(pid, signal.SIGKILL)
             break
@@ -120,7 +125,7 @@ def test_kill9_then_resume_equals_uninterrupted(tmp_path):
     reader.join(5)
     out = "".join(lines)
     assert "p1 died (signal 9); stopping the other processes" in out
-    done = sorted(int(s) for s in os.listdir(work / "checkpoints") if s.isdigit())
+    done = sorted(int(s) for s in os.listdir(work / "checkpoints") if s.isdigit() and complete(s))
     assert done and max(done) < 600, f"the kill landed after the run finished: {done}"
 
     resumed = launch(2, 1, *main, f"--workdir={work}")
@@ -128,7 +133,7 @@ def test_kill9_then_resume_equals_uninterrupted(tmp_path):
     # it resumed from a checkpoint the killed run wrote (the newest complete one), not from
     # step 0, which would also end equal
     (step,) = map(int, re.findall(r"resumed from the checkpoint of step (\d+) ", resumed.stdout))
-    assert step in done and step >= 100, (step, done)
+    assert step == max(done) and step >= 100, (step, done)
     assert "resumed from" not in full.stdout
     a, b = _load_params(tmp_path / "full", 600), _load_params(work, 600)
     import jax

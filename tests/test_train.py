@@ -239,7 +239,15 @@ def _empty_metadata(step_dir):
     open(os.path.join(step_dir, "default", "_METADATA"), "w").close()
 
 
-@pytest.mark.parametrize("damage", ["flipped_bytes", "truncated", "empty_metadata"])
+def _remove_checksums(step_dir):
+    for f in os.listdir(step_dir):
+        if f.startswith("jaxcomm_checksums.p"):
+            os.remove(os.path.join(step_dir, f))
+
+
+@pytest.mark.parametrize(
+    "damage", ["flipped_bytes", "truncated", "empty_metadata", "interrupted_before_checksums"]
+)
 def test_damaged_newest_checkpoint_falls_back_to_previous(
     damage, uninterrupted_8, tmp_path, caplog
 ):
@@ -250,8 +258,10 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(
         _flip(_largest_data_file(step6))
     elif damage == "truncated":
         _truncate(_largest_data_file(step6))
-    else:
+    elif damage == "empty_metadata":
         _empty_metadata(step6)
+    else:  # killed after orbax finished, before the checksum files were written
+        _remove_checksums(step6)
     with caplog.at_level("WARNING"):
         resumed = train.train_and_evaluate(_ckpt_cfg(8), work)
     assert "resuming from checkpoint 4, the newest good one" in caplog.text
@@ -279,6 +289,18 @@ def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):
     kernel[0, 0, 0] = np.nan
     with pytest.raises(train.CorruptCheckpoint, match=r"NaN/Inf in .*Dense_0"):
         train.verify_state(mngr, 2, bad)
+
+
+def test_checkpoints_from_before_checksums_still_resume(tmp_path, caplog, capsys):
+    work = str(tmp_path)
+    train.train_and_evaluate(_ckpt_cfg(4), work)
+    os.remove(os.path.join(work, "checkpoints", train.CHECKSUMS_MARKER))
+    _remove_checksums(os.path.join(work, "checkpoints", "4"))
+    with caplog.at_level("WARNING"):
+        resumed = train.train_and_evaluate(_ckpt_cfg(6), work)
+    assert "step 4 has no checksums (older format)" in caplog.text
+    assert "resumed from the checkpoint of step 4 " in capsys.readouterr().out
+    assert resumed.metrics[-1]["step"] == 6
 
 
 def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
