@@ -1,0 +1,6 @@
+"""The DiLoCo family beyond :func:`jaxcomm.diloco`: Streaming DiLoCo, SparseLoCo, MuLoCo.
+
+Each member is an optax transform with an explicit state NamedTuple, built
+on :mod:`jaxcomm.sync`'s DiLoCo pieces (inner optimizer kept across rounds,
+an anchor all workers share, an outer step on the averaged pseudo-gradient).
+"""
