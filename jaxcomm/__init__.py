@@ -1,6 +1,17 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, distributed, exchange, guide, netsim, optim, parallel, sync
+from jaxcomm import (
+    accounting,
+    core,
+    distributed,
+    exchange,
+    guide,
+    loco,
+    netsim,
+    optim,
+    parallel,
+    sync,
+)
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -10,6 +21,7 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
+from jaxcomm.loco import streaming_diloco
 from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
 from jaxcomm.parallel import data_parallel, init_state
 from jaxcomm.sync import (
@@ -46,6 +58,7 @@ __all__ = [
     "init_state",
     "int8",
     "local_sgd",
+    "loco",
     "netsim",
     "onebit",
     "onebit_adam",
@@ -58,6 +71,7 @@ __all__ = [
     "sign_majority",
     "skip_nonfinite",
     "stale",
+    "streaming_diloco",
     "sync",
     "terngrad",
     "threshold",

@@ -4,3 +4,7 @@ Each member is an optax transform with an explicit state NamedTuple, built
 on :mod:`jaxcomm.sync`'s DiLoCo pieces (inner optimizer kept across rounds,
 an anchor all workers share, an outer step on the averaged pseudo-gradient).
 """
+
+from jaxcomm.loco.streaming import StreamingDiLoCoState, streaming_diloco
+
+__all__ = ["StreamingDiLoCoState", "streaming_diloco"]

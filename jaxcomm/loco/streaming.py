@@ -1,0 +1,245 @@
+"""Streaming DiLoCo: DiLoCo whose parameters synchronise in fragments, staggered and overlapped.
+
+The params' leaves are split into ``fragments`` groups of about equal size
+(contiguous in tree order). Fragment ``f`` synchronises every ``every``
+inner steps like DiLoCo, but the fragments take turns: fragment ``f``
+sends at the inner steps ``s`` (counted from 1) with
+``s % every == ((f + 1) * every // fragments) % every``, so a sync moves
+``1/fragments`` of DiLoCo's bytes and one happens every
+``every // fragments`` steps.
+
+At a send, worker ``i``'s outer gradient of the fragment is
+``anchor_f - local_f`` (optionally through an error-feedback compressor,
+e.g. int8 or 4-bit QSGD over the two-phase exchange); the outer optimizer
+steps the fragment's anchor on the worker mean. The result is merged into
+the local params ``delay`` inner steps later (``delay`` = tau of the paper,
+the steps the exchange overlaps): ``local_f <- mix * local_f + (1 - mix) *
+anchor_f``. The ``delay`` inner steps the workers take meanwhile are kept
+in proportion ``mix`` (``mix=0``: discarded, as in the paper's default and
+torchft's ``fragment_update_alpha=0``).
+
+``delay`` fixes *when* the result is used, so the arithmetic is the same
+whether the exchange really overlaps the inner steps or not: under one
+compiled step the exchange runs at the send step (the delay is simulated),
+and a runtime that runs a collective asynchronously may overlap it with the
+``delay`` steps without changing a bit (see ``experiments/results/`` for
+what was measured).
+
+With ``fragments=1, delay=0`` this is exactly :func:`jaxcomm.diloco`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomm import buckets, core, exchange, sync
+from jaxcomm.exchange import AxisName
+
+__all__ = ["StreamingDiLoCoState", "fragment_of", "streaming_diloco"]
+
+_OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+class StreamingDiLoCoState(NamedTuple):
+    """State of :func:`streaming_diloco`.
+
+    Attributes:
+      count: int32 ``[]``, inner steps made (saturates at the int32 maximum).
+      syncs: int32 ``[]``, fragment synchronisations sent.
+      inner_state: state of the inner optimizer (kept across rounds).
+      anchor: the global params (each fragment as of its last outer step).
+      outer_state: tuple, the outer optimizer's state of each fragment.
+      compressor_state: tuple, each fragment's compressor state (``None``
+        entries without a compressor).
+    """
+
+    count: jax.Array
+    syncs: jax.Array
+    inner_state: Any
+    anchor: Any
+    outer_state: tuple
+    compressor_state: tuple
+
+
+def fragment_of(params: Any, fragments: int) -> list[int]:
+    """The fragment of each leaf of ``params`` (tree order): contiguous groups of ~equal size.
+
+    Leaf ``j`` goes to fragment ``floor(fragments * c_j / total)`` where ``c_j``
+    is the number of elements before the leaf's middle; every fragment gets at
+    least one leaf (``ValueError`` when ``params`` has fewer leaves than
+    ``fragments``).
+    """
+    sizes = [int(jnp.size(x)) for x in jax.tree.leaves(params)]
+    if len(sizes) < fragments:
+        raise ValueError(
+            f"fragments: {fragments} fragments need at least as many param leaves; "
+            f"params has {len(sizes)}"
+        )
+    total, seen, out = sum(sizes), 0, []
+    for size in sizes:
+        out.append(min(fragments - 1, int(fragments * (seen + size / 2) // max(total, 1))))
+        seen += size
+    # every fragment non-empty: move boundaries forward where a fragment got no leaf
+    for f in range(fragments):
+        if f not in out:
+            j = max(j for j, g in enumerate(out) if g < f)
+            out[j:] = [max(g, f) for g in out[j:]]
+    return out
+
+
+def _pick(leaves: list, members: list[int]) -> list:
+    return [leaves[j] for j in members]
+
+
+def _put(leaves: list, members: list[int], values: list) -> list:
+    out = list(leaves)
+    for j, v in zip(members, values):
+        out[j] = v
+    return out
+
+
+def _check(every: int, fragments: int, delay: int, mix: float) -> tuple[int, int, int, float]:
+    every = core.check_int(every, "every", 1)
+    fragments = core.check_int(fragments, "fragments", 1)
+    delay = core.check_int(delay, "delay", 0)
+    if every % fragments:
+        raise ValueError(
+            f"fragments: must divide every={every} (one fragment syncs every every/fragments "
+            f"steps); got {fragments}"
+        )
+    if delay >= every // fragments:
+        raise ValueError(
+            f"delay: must be in [0, every/fragments) = [0, {every // fragments}) so that one "
+            f"exchange is in flight at a time; got {delay}"
+        )
+    if not 0.0 <= float(mix) <= 1.0:
+        raise ValueError(f"mix: must be in [0, 1], got {mix}")
+    return every, fragments, delay, float(mix)
+
+
+def streaming_diloco(
+    inner: optax.GradientTransformation,
+    *,
+    every: int,
+    fragments: int,
+    axis_name: AxisName | None,
+    delay: int = 0,
+    mix: float = 0.0,
+    outer: optax.GradientTransformation = _OUTER,
+    compressor: Any = None,
+    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+) -> optax.GradientTransformation:
+    """Streaming DiLoCo: ``fragments`` staggered DiLoCo syncs, each merged ``delay`` steps late.
+
+    See the module docstring for the schedule and the merge rule.
+
+    Args:
+      inner: the inner (local) optimizer, e.g. ``optax.adamw(4e-4)``.
+      every: inner steps between two syncs of one fragment (H), an int >= 1.
+      fragments: number of fragments P, an int >= 1 dividing ``every``.
+      axis_name: mesh axis to average over; ``None``: a single worker.
+      delay: inner steps between a fragment's send and its merge (tau),
+        in ``[0, every // fragments)``.
+      mix: weight of the local params at the merge (alpha), in ``[0, 1]``.
+      outer: the outer optimizer, default Nesterov SGD (lr 0.7, momentum 0.9).
+      compressor: ``None``, or a jaxcomm transform built with the same
+        ``axis_name`` (e.g. ``jaxcomm.int8(axis_name=..., exchange="two_phase")``)
+        or a :class:`jaxcomm.Compressor`; each fragment gets its own state.
+      bucket_bytes: tensor fusion of the dense averaging (see :func:`jaxcomm.compress`).
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`;
+      ``update`` requires ``params``.
+
+    Example:
+      >>> tx = jaxcomm.streaming_diloco(optax.adamw(4e-4), every=100, fragments=4,
+      ...                               delay=5, axis_name="data")
+
+    References:
+      Douillard et al., "Streaming DiLoCo with overlapping communication:
+      Towards a Distributed Free Lunch", 2025, arXiv:2501.18512.
+    """
+    inner = sync.check_tx(inner, "inner")
+    outer = sync.check_tx(outer, "outer")
+    every, fragments, delay, mix = _check(every, fragments, delay, mix)
+    axis_name = exchange.check_axis_name(axis_name)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    comp = sync.as_compressor(compressor, axis_name)
+    offsets = [((f + 1) * every // fragments) % every for f in range(fragments)]
+
+    def groups(params):
+        of = fragment_of(params, fragments)
+        return [[j for j, g in enumerate(of) if g == f] for f in range(fragments)]
+
+    def init_fn(params):
+        if comp is not None:
+            sync.check_compressor_axis(comp, params, axis_name)
+        anchor = jax.tree.map(jnp.asarray, params)
+        leaves = jax.tree.leaves(anchor)
+        members = groups(params)
+        return StreamingDiLoCoState(
+            count=sync.zero_count(),
+            syncs=sync.zero_count(),
+            inner_state=inner.init(params),
+            anchor=anchor,
+            outer_state=tuple(outer.init(_pick(leaves, m)) for m in members),
+            compressor_state=tuple(
+                None if comp is None else comp.init(_pick(leaves, m)) for m in members
+            ),
+        )
+
+    def send(local, anchor, outer_state, comp_state):
+        """One fragment's outer step: the new anchor leaves and states."""
+        if comp is not None:
+            drift = [a - x for a, x in zip(anchor, local)]
+            delta, comp_state = comp.update(drift, comp_state, anchor)
+        else:
+            mean = local if axis_name is None else buckets.pmean(local, axis_name, bucket_bytes)
+            delta = [a - m for a, m in zip(anchor, mean)]
+        step, outer_state = outer.update(delta, outer_state, anchor)
+        return sync.add_updates(anchor, step), outer_state, comp_state
+
+    def fragment(f, s, local, anchor, outer_state, comp_state):
+        """Fragment ``f`` at inner step ``s``: send, then merge what lands now."""
+        sends = s % every == offsets[f]
+        anchor, outer_state, comp_state = sync.typed_cond(
+            sends, send, lambda _local, *rest: rest, local, anchor, outer_state, comp_state
+        )
+        lands = (s - delay >= 1) & ((s - delay) % every == offsets[f])
+        merged = [(mix * x + (1.0 - mix) * a).astype(x.dtype) for x, a in zip(local, anchor)]
+        local = [jnp.where(lands, m, x) for m, x in zip(merged, local)]
+        return local, anchor, outer_state, comp_state, sends
+
+    def update_fn(updates, state, params=None):
+        sync.require_params(params, "streaming_diloco")
+        sync.check_state(state, StreamingDiLoCoState, "streaming_diloco")
+        exchange.check_per_worker(updates, axis_name)
+        u, inner_state = inner.update(updates, state.inner_state, params)
+        s = state.count + 1  # this is inner step s (1-based)
+        local = jax.tree.leaves(sync.add_updates(params, u))
+        anchor, treedef = jax.tree.flatten(state.anchor)
+        outer_states, comp_states, syncs = [], [], state.syncs
+        for f, m in enumerate(groups(params)):
+            loc, anc, o, c, sent = fragment(
+                f, s, _pick(local, m), _pick(anchor, m),
+                state.outer_state[f], state.compressor_state[f],
+            )  # fmt: skip
+            local, anchor = _put(local, m, loc), _put(anchor, m, anc)
+            outer_states.append(o)
+            comp_states.append(c)
+            syncs = syncs + sent.astype(jnp.int32)
+        new = treedef.unflatten(local)
+        return sync.updates_to(new, params, u), StreamingDiLoCoState(
+            count=sync.inc_count(state.count),
+            syncs=syncs,
+            inner_state=inner_state,
+            anchor=treedef.unflatten(anchor),
+            outer_state=tuple(outer_states),
+            compressor_state=tuple(comp_states),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
