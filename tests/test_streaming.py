@@ -156,3 +156,35 @@ def test_each_sync_moves_one_fragment_and_all_fragments_move_the_model():
         jaxcomm.diloco(optax.sgd(0.1), every=8, axis_name=AX), params, N
     )
     assert sum(c.nbytes for c in dense) == full
+
+
+@pytest.mark.parametrize("delay,compressed", [(1, False), (2, True)])
+def test_exchange_in_a_host_thread_equals_the_exchange_in_the_step(delay, compressed):
+    from jaxcomm.loco import Overlap, StreamingDiLoCo
+    from tests import helpers as H
+    from tests.test_sync import place, problem, shard_map_step
+
+    comp = jaxcomm.int8(axis_name=AX, min_size=0, error_feedback=True, stochastic=False)
+    rule = StreamingDiLoCo(optax.adam(0.05), every=6, fragments=2, delay=delay, axis_name=AX,
+                           compressor=comp if compressed else None)  # fmt: skip
+    want, _ = run(rule.transform(), 20)
+
+    w0, a, b = problem()
+    tx = rule.transform(overlap=True)
+    p, s = place(H.stack(w0)), place(H.stack(tx.init(w0)))
+    a, b = place(a), place(b)
+    fn, ov = shard_map_step(tx), Overlap(rule, H.mesh())
+    started = []
+    for t in range(20):
+        p, s, _ = ov.step(fn, p, s, a, b)
+        started.append(ov.in_flight)
+        np.testing.assert_array_equal(
+            H.np_tree(p)["w"], want["params"][t + 1]["w"], err_msg=f"step {t + 1}"
+        )
+        np.testing.assert_array_equal(H.np_tree(p)["b"], want["params"][t + 1]["b"])
+    # fragment 0 sends at s = 3, 9, 15; fragment 1 at 6, 12, 18: in flight for `delay` steps
+    assert started[2] == [0] and started[5] == [1] and started[2 + delay] == []
+    s = ov.drain(s)
+    assert ov.in_flight == []
+    with pytest.raises(ValueError, match="delay: overlap=True needs delay >= 1"):
+        StreamingDiLoCo(optax.sgd(0.1), every=4, fragments=2, axis_name=AX).transform(overlap=True)

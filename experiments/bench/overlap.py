@@ -1,26 +1,34 @@
-r"""Can a fragment's exchange overlap inner steps on XLA:CPU + gloo? Measured, two processes.
+r"""Does a fragment's exchange overlap the inner steps on XLA:CPU + gloo? Measured, 2 processes.
 
-Command (root for the shaped link; ~2 min):
+Command (root for the shaped link; ~5 min at 10 Mbit/s):
   python -m experiments.bench.overlap --rate=10mbit --out=experiments/results/overlap.json
 
 Two processes (``experiments.launch``, one CPU device each, gloo) on a link
-shaped to ``--rate`` run, ``--repeats`` times each:
+shaped to ``--rate``. Two parts.
 
-* ``inner``: ``--inner_steps`` inner steps (a local jitted computation of
-  matmuls, no collective), each timed to completion: the inner-step time
-  with no communication;
-* ``exchange``: one all-reduce of a ``--fragment_mb`` fragment (the
-  Streaming DiLoCo sync of one fragment), timed alone;
-* ``async``: the exchange dispatched without waiting (JAX's asynchronous
-  dispatch), then the inner steps, each timed, then the exchange waited for;
-* ``thread``: the exchange run and waited for in a host thread while the
-  main thread runs the inner steps.
+**The mechanism** (``--repeats`` rounds of each, interleaved): ``inner``,
+``--inner_steps`` steps of a local jitted computation (matmuls, no
+collective), each timed to completion; ``exchange``, one all-reduce of a
+``--fragment_mb`` fragment, alone; ``async``, the exchange dispatched without
+waiting (JAX's asynchronous dispatch), then the inner steps, then the
+exchange waited for; ``thread``, the exchange run and waited for in a host
+thread while the main thread runs the inner steps.
 
-The verdict of the issue: with a fragment in flight, the mean inner-step
-time is <= 1.15x the inner step with no communication, and the wall clock
-of the inner steps + the sync is <= 1.1 x max(inner steps, exchange).
-Process 0 writes the mean inner-step time (and the slowest step), the
-median wall clock of each kind and the verdict to ``--out``.
+**Streaming DiLoCo** (``streaming`` in the JSON): a tanh MLP of
+``--fragments`` layers of ``--dim`` x ``--dim`` (one fragment each), inner
+SGD on a ``--batch``-row batch, one fragment synchronising every
+``--inner_steps`` steps with ``delay = inner_steps - 1``; run with no
+exchange at all (``no_exchange``: the compute floor), with the exchange in
+the step (``in_step``, ``overlap=False``), and with
+:class:`jaxcomm.loco.Overlap` (``overlap``: the exchange in a host thread).
+Each step is timed to completion, apart from the time ``Overlap`` waited
+for a landing exchange (``wait_per_sync_s``), which is added to the period.
+
+The issue's verdict for ``overlap``: the mean inner-step time with a
+fragment in flight <= 1.15 x the step with no communication
+(``step_ratio``), and one period (``--inner_steps`` steps + one fragment's
+sync) <= 1.1 x max(the steps with no communication, the fragment's exchange
+alone) (``period_ratio``). Process 0 writes everything to ``--out``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("matmuls", 4, "matmuls per inner step")
     flags.DEFINE_integer("inner_steps", 10, "inner steps per sync (the overlap window)")
     flags.DEFINE_integer("repeats", 5, "repeats of each measurement (medians reported)")
+    flags.DEFINE_integer("fragments", 4, "Streaming DiLoCo: fragments (one dim x dim layer each)")
+    flags.DEFINE_integer("batch", 512, "Streaming DiLoCo: rows of the MLP's batch per worker")
     flags.DEFINE_string("out", "experiments/results/overlap.json", "JSON written by process 0")
     flags.DEFINE_bool("worker", False, "internal: run as one launched process")
 
@@ -81,6 +91,12 @@ def _programs():
     return inner, x, exchange, frag
 
 
+def jaxcomm_mesh():
+    import jaxcomm
+
+    return jaxcomm.distributed.global_mesh("data")
+
+
 def _timed_inner(inner, x, steps):
     times = []
     for _ in range(steps):
@@ -111,6 +127,132 @@ def _round(kind, inner, x, exchange, frag):
     return times, time.perf_counter() - t0
 
 
+def _mlp_step(tx, axis_name):
+    """One worker's inner step of a tanh MLP on a fixed batch: (params, state, x) -> ..."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def loss(p, x):
+        for k in sorted(p):
+            x = jnp.tanh(x @ p[k])
+        return jnp.mean(x**2)
+
+    def step(p, s, x):
+        u, s = tx.update(jax.grad(loss)(p, x), s, p)
+        return optax.apply_updates(p, u), s
+
+    return step
+
+
+def _stacked(mesh, tree):
+    """Per-worker copies of ``tree`` (leading worker axis), this process's rows from its data."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = mesh.devices.size
+    sharding = NamedSharding(mesh, P("data"))
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(
+            sharding, np.asarray(x)[None], (n,) + np.shape(x)
+        ),
+        tree,
+    )
+
+
+def _per_worker(mesh, f):
+    """``f`` on one worker's rows of stacked arguments, under shard_map over ``data``."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def g(*args):
+        out = f(*jax.tree.map(lambda y: y[0], args))
+        return jax.tree.map(lambda y: y[None], out)
+
+    return jax.jit(jax.shard_map(g, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+
+
+def _timed_steps(run, p, s, steps):
+    """Per-step wall times of ``run`` and whether a fragment was in flight when it started."""
+    import jax
+
+    times, waits, flight = [], [], []
+    for _ in range(steps):
+        busy, waited = bool(run.in_flight()), run.wait_s()
+        t0 = time.perf_counter()
+        p, s = jax.block_until_ready(run(p, s))
+        # a step's own time, and apart the wait for a landing exchange (in period_s)
+        waits.append(run.wait_s() - waited)
+        times.append(time.perf_counter() - t0 - waits[-1])
+        flight.append(busy)
+    return times, waits, flight, s
+
+
+def streaming_rows(mesh) -> dict:
+    """Streaming DiLoCo through :class:`jaxcomm.loco.Overlap` vs the exchange in the step."""
+    import jax
+    import numpy as np
+    import optax
+
+    from jaxcomm.loco import Overlap, StreamingDiLoCo
+
+    d, window, rounds = FLAGS.dim, FLAGS.inner_steps, FLAGS.repeats + 1
+    rng = np.random.default_rng(0)
+    w0 = {f"l{i}": (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32)
+          for i in range(FLAGS.fragments)}  # fmt: skip
+    every = window * FLAGS.fragments  # one fragment syncs every `window` steps
+    rule = StreamingDiLoCo(
+        optax.sgd(0.01), every=every, fragments=FLAGS.fragments, delay=window - 1, axis_name="data"
+    )
+    x = _stacked(mesh, rng.normal(size=(FLAGS.batch, d)).astype(np.float32))
+    out = {}
+    for kind in ("no_exchange", "in_step", "overlap"):
+        tx = {"no_exchange": optax.sgd(0.01), "in_step": rule.transform(),
+              "overlap": rule.transform(overlap=True)}[kind]  # fmt: skip
+        fn, ov = _per_worker(mesh, _mlp_step(tx, "data")), Overlap(rule, mesh)
+
+        def run(p, s, fn=fn, ov=ov, kind=kind):
+            return ov.step(fn, p, s, x) if kind == "overlap" else fn(p, s, x)
+
+        run.in_flight = lambda ov=ov: ov.in_flight
+        run.wait_s = lambda ov=ov: ov.wait_s
+        steps = window * FLAGS.fragments * rounds
+        times, waits, flight, s = _timed_steps(
+            run, _stacked(mesh, w0), _stacked(mesh, tx.init(w0)), steps
+        )
+        if kind == "overlap":
+            ov.drain(s)
+        skip = window * FLAGS.fragments  # the first round compiles
+        times, waits, flight = times[skip:], waits[skip:], flight[skip:]
+        busy = [t for t, b in zip(times, flight) if b]
+        total = [t + w for t, w in zip(times, waits)]
+        periods = [sum(total[i : i + window]) for i in range(0, len(total), window)]
+        out[kind] = {
+            "step_s": float(np.mean(times)),
+            "step_in_flight_s": float(np.mean(busy)) if busy else None,
+            "period_s": float(np.median(periods)),
+            "wait_per_sync_s": sum(waits) / (len(times) / window),
+        }
+    send = Overlap(rule, mesh).program(0)
+    st = _stacked(mesh, rule.init(w0))
+    first = [_stacked(mesh, w0["l0"])]
+    args = (first, first, st.outer_state[0], st.compressor_state[0])
+    jax.block_until_ready(send(*args))
+    t0 = time.perf_counter()
+    for _ in range(FLAGS.repeats):
+        jax.block_until_ready(send(*args))
+    comm = (time.perf_counter() - t0) / FLAGS.repeats
+    out.update(fragment_exchange_s=comm, fragment_mb=d * d * 4 / 1e6)
+    base, over = out["no_exchange"], out["overlap"]
+    over["step_ratio"] = over["step_in_flight_s"] / base["step_s"]
+    for kind in ("in_step", "overlap"):
+        out[kind]["period_ratio"] = out[kind]["period_s"] / max(base["period_s"], comm)
+    over["overlaps"] = over["step_ratio"] <= 1.15 and over["period_ratio"] <= 1.1
+    return out
+
+
 def worker() -> None:
     import jax
     import numpy as np
@@ -128,6 +270,7 @@ def worker() -> None:
             times, wall = _round(kind, inner, x, exchange, frag)
             rows[kind]["step_s"] += times
             rows[kind]["wall_s"].append(wall)
+    result_streaming = streaming_rows(jaxcomm_mesh())
     if jax.process_index() != 0:
         return
     mean = lambda v: float(np.mean(v)) if v else None
@@ -148,6 +291,7 @@ def worker() -> None:
                                        "repeats")
     }  # fmt: skip
     result["serial_s"] = window + comm
+    result["streaming"] = result_streaming
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1), flush=True)
@@ -158,8 +302,17 @@ def main(argv: list[str]) -> None:
     if FLAGS.worker:
         worker()
         return
-    flags_ = [f"--{k}={getattr(FLAGS, k)}" for k in ("fragment_mb", "dim", "matmuls",
-                                                     "inner_steps", "repeats", "rate")]  # fmt: skip
+    names = (
+        "fragment_mb",
+        "dim",
+        "matmuls",
+        "inner_steps",
+        "repeats",
+        "rate",
+        "fragments",
+        "batch",
+    )
+    flags_ = [f"--{k}={getattr(FLAGS, k)}" for k in names]
     out = os.path.abspath(FLAGS.out)
     argv = [
         sys.executable, "-m", "experiments.launch", "--processes=2", "--devices_per_process=1",

@@ -5,6 +5,7 @@ on :mod:`jaxcomm.sync`'s DiLoCo pieces (inner optimizer kept across rounds,
 an anchor all workers share, an outer step on the averaged pseudo-gradient).
 """
 
-from jaxcomm.loco.streaming import StreamingDiLoCoState, streaming_diloco
+from jaxcomm.loco.overlap import Overlap
+from jaxcomm.loco.streaming import StreamingDiLoCo, StreamingDiLoCoState, streaming_diloco
 
-__all__ = ["StreamingDiLoCoState", "streaming_diloco"]
+__all__ = ["Overlap", "StreamingDiLoCo", "StreamingDiLoCoState", "streaming_diloco"]

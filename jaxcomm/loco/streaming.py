@@ -30,6 +30,7 @@ With ``fragments=1, delay=0`` this is exactly :func:`jaxcomm.diloco`.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +40,7 @@ import optax
 from jaxcomm import buckets, core, exchange, sync
 from jaxcomm.exchange import AxisName
 
-__all__ = ["StreamingDiLoCoState", "fragment_of", "streaming_diloco"]
+__all__ = ["StreamingDiLoCo", "StreamingDiLoCoState", "fragment_of", "streaming_diloco"]
 
 _OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
@@ -73,7 +74,7 @@ def fragment_of(params: Any, fragments: int) -> list[int]:
     least one leaf (``ValueError`` when ``params`` has fewer leaves than
     ``fragments``).
     """
-    sizes = [int(jnp.size(x)) for x in jax.tree.leaves(params)]
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(params)]
     if len(sizes) < fragments:
         raise ValueError(
             f"fragments: {fragments} fragments need at least as many param leaves; "
@@ -132,6 +133,7 @@ def streaming_diloco(
     outer: optax.GradientTransformation = _OUTER,
     compressor: Any = None,
     bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    overlap: bool = False,
 ) -> optax.GradientTransformation:
     """Streaming DiLoCo: ``fragments`` staggered DiLoCo syncs, each merged ``delay`` steps late.
 
@@ -150,6 +152,10 @@ def streaming_diloco(
         ``axis_name`` (e.g. ``jaxcomm.int8(axis_name=..., exchange="two_phase")``)
         or a :class:`jaxcomm.Compressor`; each fragment gets its own state.
       bucket_bytes: tensor fusion of the dense averaging (see :func:`jaxcomm.compress`).
+      overlap: ``False``: the exchange runs inside the step at the send step
+        (the delay is simulated). ``True``: ``update`` never communicates;
+        :class:`jaxcomm.loco.Overlap` runs each fragment's exchange in a host
+        thread while the next ``delay`` (>= 1) steps run, with the same result.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`;
@@ -163,71 +169,104 @@ def streaming_diloco(
       Douillard et al., "Streaming DiLoCo with overlapping communication:
       Towards a Distributed Free Lunch", 2025, arXiv:2501.18512.
     """
-    inner = sync.check_tx(inner, "inner")
-    outer = sync.check_tx(outer, "outer")
-    every, fragments, delay, mix = _check(every, fragments, delay, mix)
-    axis_name = exchange.check_axis_name(axis_name)
-    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comp = sync.as_compressor(compressor, axis_name)
-    offsets = [((f + 1) * every // fragments) % every for f in range(fragments)]
+    rule = StreamingDiLoCo(
+        inner, every=every, fragments=fragments, axis_name=axis_name, delay=delay, mix=mix,
+        outer=outer, compressor=compressor, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    return rule.transform(overlap=overlap)
 
-    def groups(params):
-        of = fragment_of(params, fragments)
-        return [[j for j, g in enumerate(of) if g == f] for f in range(fragments)]
 
-    def init_fn(params):
-        if comp is not None:
-            sync.check_compressor_axis(comp, params, axis_name)
+class StreamingDiLoCo:
+    """The rule of :func:`streaming_diloco`: its transform, schedule and one fragment's exchange.
+
+    :func:`streaming_diloco`'s arguments (but ``overlap``); what
+    :class:`jaxcomm.loco.Overlap` needs to run the exchanges outside the step.
+    """
+
+    def __init__(self, inner, *, every, fragments, axis_name, delay=0, mix=0.0, outer=_OUTER,
+                 compressor=None, bucket_bytes=buckets.DEFAULT_BUCKET_BYTES):  # fmt: skip
+        self.inner = sync.check_tx(inner, "inner")
+        self.outer = sync.check_tx(outer, "outer")
+        self.every, self.fragments, self.delay, self.mix = _check(every, fragments, delay, mix)
+        self.axis_name = exchange.check_axis_name(axis_name)
+        self.bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+        self.comp = sync.as_compressor(compressor, axis_name)
+        self.offsets = [((f + 1) * every // fragments) % every for f in range(fragments)]
+
+    def sends(self, s: int) -> list[int]:
+        """The fragments that send at inner step ``s`` (1-based), on the host."""
+        return [f for f, o in enumerate(self.offsets) if s % self.every == o]
+
+    def lands(self, s: int) -> list[int]:
+        """The fragments whose exchange is merged at inner step ``s`` (1-based), on the host."""
+        return self.sends(s - self.delay) if s - self.delay >= 1 else []
+
+    def members(self, params: Any) -> list[list[int]]:
+        """The leaf indices (tree order) of each fragment."""
+        of = fragment_of(params, self.fragments)
+        return [[j for j, g in enumerate(of) if g == f] for f in range(self.fragments)]
+
+    def init(self, params: Any) -> StreamingDiLoCoState:
+        if self.comp is not None:
+            sync.check_compressor_axis(self.comp, params, self.axis_name)
         anchor = jax.tree.map(jnp.asarray, params)
         leaves = jax.tree.leaves(anchor)
-        members = groups(params)
+        members = self.members(params)
         return StreamingDiLoCoState(
             count=sync.zero_count(),
             syncs=sync.zero_count(),
-            inner_state=inner.init(params),
+            inner_state=self.inner.init(params),
             anchor=anchor,
-            outer_state=tuple(outer.init(_pick(leaves, m)) for m in members),
+            outer_state=tuple(self.outer.init(_pick(leaves, m)) for m in members),
             compressor_state=tuple(
-                None if comp is None else comp.init(_pick(leaves, m)) for m in members
+                None if self.comp is None else self.comp.init(_pick(leaves, m)) for m in members
             ),
         )
 
-    def send(local, anchor, outer_state, comp_state):
-        """One fragment's outer step: the new anchor leaves and states."""
-        if comp is not None:
+    def send(self, local: list, anchor: list, outer_state: Any, comp_state: Any) -> tuple:
+        """One fragment's exchange and outer step: ``(anchor, outer_state, comp_state)``.
+
+        ``local``/``anchor``: the fragment's leaves of this worker's params after
+        the send step and of the anchor. Communicates over ``axis_name``.
+        """
+        if self.comp is not None:
             drift = [a - x for a, x in zip(anchor, local)]
-            delta, comp_state = comp.update(drift, comp_state, anchor)
+            delta, comp_state = self.comp.update(drift, comp_state, anchor)
         else:
-            mean = local if axis_name is None else buckets.pmean(local, axis_name, bucket_bytes)
+            mean = local
+            if self.axis_name is not None:
+                mean = buckets.pmean(local, self.axis_name, self.bucket_bytes)
             delta = [a - m for a, m in zip(anchor, mean)]
-        step, outer_state = outer.update(delta, outer_state, anchor)
+        step, outer_state = self.outer.update(delta, outer_state, anchor)
         return sync.add_updates(anchor, step), outer_state, comp_state
 
-    def fragment(f, s, local, anchor, outer_state, comp_state):
-        """Fragment ``f`` at inner step ``s``: send, then merge what lands now."""
-        sends = s % every == offsets[f]
-        anchor, outer_state, comp_state = sync.typed_cond(
-            sends, send, lambda _local, *rest: rest, local, anchor, outer_state, comp_state
-        )
-        lands = (s - delay >= 1) & ((s - delay) % every == offsets[f])
+    def _fragment(self, f, s, parts, overlap):
+        """Fragment ``f`` at inner step ``s``: send (unless ``overlap``), merge what lands."""
+        local, anchor, outer_state, comp_state = parts
+        sends = s % self.every == self.offsets[f]
+        if not overlap:
+            anchor, outer_state, comp_state = sync.typed_cond(
+                sends, self.send, lambda _local, *rest: rest, *parts
+            )
+        lands = (s - self.delay >= 1) & ((s - self.delay) % self.every == self.offsets[f])
+        mix = self.mix
         merged = [(mix * x + (1.0 - mix) * a).astype(x.dtype) for x, a in zip(local, anchor)]
         local = [jnp.where(lands, m, x) for m, x in zip(merged, local)]
         return local, anchor, outer_state, comp_state, sends
 
-    def update_fn(updates, state, params=None):
+    def update(self, updates, state, params=None, *, overlap: bool = False):
         sync.require_params(params, "streaming_diloco")
         sync.check_state(state, StreamingDiLoCoState, "streaming_diloco")
-        exchange.check_per_worker(updates, axis_name)
-        u, inner_state = inner.update(updates, state.inner_state, params)
+        exchange.check_per_worker(updates, self.axis_name)
+        u, inner_state = self.inner.update(updates, state.inner_state, params)
         s = state.count + 1  # this is inner step s (1-based)
         local = jax.tree.leaves(sync.add_updates(params, u))
         anchor, treedef = jax.tree.flatten(state.anchor)
         outer_states, comp_states, syncs = [], [], state.syncs
-        for f, m in enumerate(groups(params)):
-            loc, anc, o, c, sent = fragment(
-                f, s, _pick(local, m), _pick(anchor, m),
-                state.outer_state[f], state.compressor_state[f],
-            )  # fmt: skip
+        for f, m in enumerate(self.members(params)):
+            parts = (_pick(local, m), _pick(anchor, m), state.outer_state[f],
+                     state.compressor_state[f])  # fmt: skip
+            loc, anc, o, c, sent = self._fragment(f, s, parts, overlap)
             local, anchor = _put(local, m, loc), _put(anchor, m, anc)
             outer_states.append(o)
             comp_states.append(c)
@@ -242,4 +281,14 @@ def streaming_diloco(
             compressor_state=tuple(comp_states),
         )
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def transform(self, *, overlap: bool = False) -> optax.GradientTransformation:
+        """The optax transform; ``overlap=True``: no exchange in ``update`` (see ``Overlap``)."""
+        if overlap and self.delay < 1:
+            raise ValueError(
+                "delay: overlap=True needs delay >= 1 (the steps the exchange overlaps); got 0"
+            )
+
+        def update_fn(updates, state, params=None):
+            return self.update(updates, state, params, overlap=overlap)
+
+        return optax.GradientTransformation(self.init, update_fn)
