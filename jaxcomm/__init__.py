@@ -21,7 +21,7 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
-from jaxcomm.loco import streaming_diloco
+from jaxcomm.loco import muloco, sparseloco, streaming_diloco
 from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
 from jaxcomm.parallel import data_parallel, init_state
 from jaxcomm.sync import (
@@ -59,6 +59,7 @@ __all__ = [
     "int8",
     "local_sgd",
     "loco",
+    "muloco",
     "netsim",
     "onebit",
     "onebit_adam",
@@ -70,6 +71,7 @@ __all__ = [
     "ring_allreduce",
     "sign_majority",
     "skip_nonfinite",
+    "sparseloco",
     "stale",
     "streaming_diloco",
     "sync",

@@ -136,6 +136,9 @@ TESTED_ELSEWHERE = {
     "local_sgd": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "diloco": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "hierarchical": "tests/test_topology.py (needs a 2-D mesh)",
+    "muloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
+    "sparseloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
+    "streaming_diloco": "tests/test_streaming.py (per-worker params; NumPy reference)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
     "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
