@@ -127,13 +127,16 @@ SCHEDULES = ("constant", "warmup_cosine")
 
 
 def learning_rate(config: ml_collections.ConfigDict) -> float | optax.Schedule:
-    """``config.optimizer.learning_rate``, shaped by ``config.optimizer.schedule`` if set.
+    """``config.optimizer.learning_rate`` x ``lr_scale``, shaped by ``optimizer.schedule`` if set.
 
     ``schedule.name="warmup_cosine"``: linear warm-up from 0 over
     ``schedule.warmup_steps``, then cosine decay to ``schedule.end_factor`` x the
     peak at ``config.num_train_steps`` (one schedule for every method of a study).
     """
     lr = config.optimizer.learning_rate
+    scale = config.optimizer.get("lr_scale", 1.0)
+    if scale != 1.0:
+        lr = lr * scale
     sched = config.optimizer.get("schedule") or {"name": "constant"}
     name = _choice(sched.get("name", "constant"), "config.optimizer.schedule.name", SCHEDULES)
     if name == "constant":
@@ -236,7 +239,8 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
         _positive_int(config.data.get("seq_len"), "config.data.seq_len", 2)
     if config.data.name == "cifar10":
         data_lib.check_cifar_dir(config.data.get("dir"))
-    _positive_int(config.data.get("batch_size"), "config.data.batch_size")
+    # 0 (classification): the whole shard every step (full-batch gradient descent)
+    _positive_int(config.data.get("batch_size"), "config.data.batch_size", 1 if lm else 0)
     steps = _positive_int(config.num_train_steps, "config.num_train_steps")
     per_call = _positive_int(config.get("steps_per_call", 1), "config.steps_per_call")
     for key in ("eval_every", "checkpoint_every", "stop_after"):
@@ -544,7 +548,12 @@ def _loss_fn(model, lm: bool) -> Callable:
 
 
 def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
-    """jit(shard_map(scan of ``steps_per_call`` steps)), state donated -> (state, losses)."""
+    """jit(shard_map(scan of ``steps_per_call`` steps)), state donated -> (state, losses).
+
+    ``model`` needs only ``apply(variables, x, train=...)`` (a flax module, or
+    :class:`experiments.digits.Net`); ``config`` only ``seed``,
+    ``data.batch_size`` (0: the whole shard every step) and ``steps_per_call``.
+    """
     loss_fn = _loss_fn(model, ds.is_lm)
     batch_size, seq_len = config.data.batch_size, ds.seq_len
     data_key = jax.random.key(config.seed + 1)
@@ -556,7 +565,10 @@ def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
         key = jax.random.fold_in(data_key, jax.lax.axis_index(AXIS))
 
         def body(s: TrainState, _):
-            bx, by = data_lib.sample_batch(x, y, key, s.step, batch_size, seq_len)
+            if batch_size:
+                bx, by = data_lib.sample_batch(x, y, key, s.step, batch_size, seq_len)
+            else:  # data.batch_size 0: the worker's whole shard every step, in order
+                bx, by = x, y
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (loss, stats), grads = grad_fn(s.params, s.batch_stats, bx, by)
             updates, opt_state = tx.update(grads, s.opt_state, s.params)

@@ -171,8 +171,9 @@ params, opt_state = stack(params), stack(tx.init(params))
 
 ## Practical notes
 
-- `experiments/digits.py` is a complete, small example (a whole training
-  run in one compiled `shard_map`); `experiments/train.py` the launcher.
+- `experiments/train.py` is the training harness (its step: `make_train_call`,
+  a chunk of steps in one compiled `shard_map`); `experiments/digits.py`
+  drives that step on digits in a few lines, with any `tx`.
 - Written by hand, on XLA:CPU with fake devices, block on each step
   (`jax.block_until_ready`) or run many steps inside one jit: with many
   collective steps in flight the in-process communicator can deadlock (the
@@ -466,7 +467,7 @@ two-phase exchange, against dense Adam's 32 (`wire_bytes` gives the exact
 figure for your tree).
 Its update is identical on every worker but typed per worker under
 `shard_map` (the frozen v is per-worker state): use `out_specs=P("data")`
-for params, as `experiments/digits.py` does, or `pmap`.
+for params, as `experiments/train.py` does, or `pmap`.
 
 # 0/1 Adam
 
@@ -539,7 +540,7 @@ report counts a bf16 all-reduce at the 4 bytes per entry XLA:CPU moves
 `wire_report(tx, params, n, backend="gpu")` gives the bytes a GPU/TPU
 cluster moves, from a CPU machine (the default, `backend=None`, is the
 backend JAX runs on; `netsim.step_time_for`, the what-if tables and
-`experiments.compare`'s native wire use `"gpu"`). fp16 and
+`experiments.studies.compare`'s native wire use `"gpu"`). fp16 and
 int8/uint8/uint16/uint32 payloads are moved as they are everywhere.
 
 # Buckets: one collective per bucket
@@ -665,8 +666,9 @@ an error listing why each failed. A state holding NaN/Inf is not saved, so
 losses, accuracy, cumulative wire bytes per worker, simulated communication
 time at `config.netsim.gbps`); `metrics.png`; `checkpoints/`.
 
-**The comparison job.** `python -m experiments.compare` trains a
-label-skewed digits MLP with ten methods on 8 simulated workers and reports
+**The comparison job.** `python -m experiments.studies.compare` trains a
+label-skewed digits MLP with ten methods (variants of
+`experiments/configs/digits_compare.py`, the method registry) on 8 simulated workers and reports
 accuracy, bytes per step and the time to target at 0.01–10 Gbit/s (measured
 compute plus `jaxcomm.netsim` communication for the bytes GPU/TPU move;
 `--wire=xla_cpu` for XLA:CPU's); `--noquick` runs the longer preset; it
@@ -977,12 +979,14 @@ top-k break-even, measured against predicted step times from
       parallel.py      data_parallel / init_state: the data-parallel step helper
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
-    experiments/       main.py + train.py + configs/ (launcher); compare.py (the comparison
-                       job); examples/ (nnx and linen loops); bench/ (benchmarks: timings,
+    experiments/       main.py + train.py (the harness) + configs/ (their variants are the
+                       method registry); digits.py (train.py's step on digits, any tx);
+                       examples/ (nnx and linen loops); bench/ (benchmarks: timings,
                        threshold_fill, whatif, sync_sweep, torch_peers: PyTorch DDP twins);
-                       launch.py, netlab/ (real processes, shaped links); studies/ (the LM
-                       study, the MLP netstudy, verdict rules, generated tables); results/
-                       (the JSON behind every table)
+                       launch.py, netlab/ (real processes, shaped links); studies/ (the
+                       comparison job and its time axis, the LM study, the MLP netstudy,
+                       verdict rules, generated tables); results/ (the JSON behind every
+                       table)
     tests/             one module per jaxcomm module, test_registry.py (every public
                        transform), convergence, real processes, netlab, notebooks
     colab/             notebooks
