@@ -136,6 +136,8 @@ TESTED_ELSEWHERE = {
     "local_sgd": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "diloco": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "hierarchical": "tests/test_topology.py (needs a 2-D mesh)",
+    "demo": "tests/test_demo.py (per-worker momentum; with a schedule the identical update "
+    "is typed per worker; NumPy reference, HLO bytes, NaN rule)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
     "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
