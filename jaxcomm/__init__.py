@@ -22,7 +22,7 @@ from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
 from jaxcomm.loco import muloco, sparseloco, streaming_diloco
-from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
+from jaxcomm.optim import ZeroOneAdamState, demo, onebit_adam, zero_one_adam
 from jaxcomm.parallel import data_parallel, init_state
 from jaxcomm.sync import (
     accumulate,
@@ -47,6 +47,7 @@ __all__ = [
     "compress",
     "core",
     "delayed_averaging",
+    "demo",
     "dgc",
     "dgc_sgd",
     "diloco",

@@ -139,6 +139,8 @@ TESTED_ELSEWHERE = {
     "muloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
     "sparseloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
     "streaming_diloco": "tests/test_streaming.py (per-worker params; NumPy reference)",
+    "demo": "tests/test_demo.py (per-worker momentum; with a schedule the identical update "
+    "is typed per worker; NumPy reference, HLO bytes, NaN rule)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
     "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
