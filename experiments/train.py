@@ -66,7 +66,8 @@ COMPRESSORS = (
     "powersgd",
 )
 OPTIMIZERS = ("sgd", "adam", "adamw")
-WRAPPERS = ("none", "accumulate", "local_sgd", "diloco")
+WRAPPERS = ("none", "accumulate", "local_sgd", "diloco", "streaming_diloco")
+PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco")  # per-worker params
 POLICIES = ("none", "matrices")
 
 
@@ -171,7 +172,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                 "config.optimizer: DGC keeps momentum itself and must be followed by plain SGD; "
                 "use optimizer.name='sgd' without momentum (or compressor.name='dgc_sgd')"
             )
-        if policy != "none" or wrapper in ("local_sgd", "diloco"):
+        if policy != "none" or wrapper in PARAM_AVERAGING:
             raise ValueError(
                 "config.compressor.name: 'dgc'/'dgc_sgd' need policy='none', "
                 "wrapper 'none' or 'accumulate'"
@@ -192,8 +193,14 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     every = config.wrapper.get("every", 1)
     if wrapper != "none":
         every = _positive_int(every, "config.wrapper.every")
-    if wrapper in ("local_sgd", "diloco"):
+    if wrapper in PARAM_AVERAGING:
         local_comp = None if comp_name == "allreduce" else comm
+        if wrapper == "streaming_diloco":
+            w = config.wrapper
+            return jaxcomm.streaming_diloco(
+                opt, every=every, fragments=w.get("fragments", 1), delay=w.get("delay", 0),
+                mix=w.get("mix", 0.0), axis_name=AXIS, compressor=local_comp,
+            )  # fmt: skip
         if wrapper == "local_sgd":
             warm = _positive_int(config.wrapper.get("warmup_steps", 0), "wrapper.warmup_steps", 0)
             return jaxcomm.local_sgd(

@@ -28,7 +28,10 @@ def base() -> ml_collections.ConfigDict:
     c.optimizer = ml_collections.ConfigDict(
         {"name": "sgd", "learning_rate": 0.1, "lr_scale": 1.0, "kwargs": {}}
     )
-    c.wrapper = ml_collections.ConfigDict({"name": "none", "every": 1, "warmup_steps": 0})
+    c.wrapper = ml_collections.ConfigDict(
+        # fragments, delay, mix: streaming_diloco's (see jaxcomm.streaming_diloco)
+        {"name": "none", "every": 1, "warmup_steps": 0, "fragments": 1, "delay": 0, "mix": 0.0}
+    )
     c.num_train_steps = 400
     c.steps_per_call = 50  # micro-steps per compiled call (lax.scan)
     c.eval_every = 50
@@ -43,15 +46,16 @@ def base() -> ml_collections.ConfigDict:
 def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:
     """Set a config's compressor, policy, wrapper (and learning-rate factor) from a variant.
 
-    ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every),
-    "lr_scale"?: float}``; ``lr_scale`` multiplies ``optimizer.learning_rate`` (e.g. 0.1
-    for DGC, which keeps momentum 0.9 itself).
+    ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every)
+    or (name, every, {other wrapper keys}), "lr_scale"?: float}``; ``lr_scale`` multiplies
+    ``optimizer.learning_rate`` (e.g. 0.1 for DGC, which keeps momentum 0.9 itself).
     """
     name, kwargs = variant["compressor"]
     c.compressor.name, c.compressor.kwargs = name, dict(kwargs)
     c.policy = variant.get("policy", "none")
     if "wrapper" in variant:
-        c.wrapper.name, c.wrapper.every = variant["wrapper"]
+        c.wrapper.name, c.wrapper.every, *more = variant["wrapper"]
+        c.wrapper.update(more[0] if more else {})
     if "lr_scale" in variant:
         c.optimizer.lr_scale = float(variant["lr_scale"])
 
