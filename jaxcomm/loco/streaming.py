@@ -28,7 +28,6 @@ what was measured).
 With ``fragments=1, delay=0`` this is exactly :func:`jaxcomm.diloco`.
 """
 
-
 import math
 from typing import Any, NamedTuple
 
