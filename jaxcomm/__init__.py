@@ -2,6 +2,7 @@
 
 from jaxcomm import (
     accounting,
+    calibrate,
     core,
     distributed,
     exchange,
@@ -42,6 +43,7 @@ __all__ = [
     "accounting",
     "accumulate",
     "allreduce",
+    "calibrate",
     "cast",
     "data_parallel",
     "compress",
