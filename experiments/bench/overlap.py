@@ -288,10 +288,11 @@ def worker() -> None:
         r["overlaps"] = r["step_ratio"] <= 1.15 and r["wall_ratio"] <= 1.1
     result["config"] = {
         k: getattr(FLAGS, k) for k in ("rate", "fragment_mb", "dim", "matmuls", "inner_steps",
-                                       "repeats")
+                                       "repeats", "fragments", "batch")
     }  # fmt: skip
     result["serial_s"] = window + comm
     result["streaming"] = result_streaming
+    result["note"] = "\n\n".join(__doc__.split("\n\n")[2:6])
     with open(FLAGS.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1), flush=True)
@@ -325,3 +326,58 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     define_flags()
     app.run(main)
+
+
+def report(result: dict) -> str:
+    """Markdown tables of an ``overlap.json`` (the README block and ``overlap.md``)."""
+    cfg, st = result["config"], result["streaming"]
+    ms = lambda s: "—" if s is None else f"{s * 1e3:.0f}"
+    rows = [
+        f"Two processes, gloo, "
+        f"{'loopback' if cfg['rate'] == 'loopback' else cfg['rate'] + ' (tbf)'}. "
+        f"Medians of {cfg['repeats']} rounds; "
+        "step times are means.",
+        "",
+        f"**The mechanism**: {cfg['inner_steps']} inner steps ({cfg['matmuls']} matmuls of "
+        f"{cfg['dim']}²) beside one all-reduce of {cfg['fragment_mb']:g} MB.",
+        "",
+        "| run | mean inner step (ms) | wall (ms) | step / no-comm step | wall / max(steps, "
+        "exchange) | overlaps |",
+        "|---|---|---|---|---|---|",
+        f"| inner steps alone | {ms(result['inner']['step_s'])} | {ms(result['inner']['wall_s'])} "
+        "| 1 | — | — |",
+        f"| exchange alone | — | {ms(result['exchange']['wall_s'])} | — | — | — |",
+    ]
+    for kind, name in (("async", "asynchronous dispatch"), ("thread", "host thread")):
+        r = result[kind]
+        rows.append(
+            f"| {name} | {ms(r['step_s'])} | {ms(r['wall_s'])} | {r['step_ratio']:.2f} | "
+            f"{r['wall_ratio']:.2f} | {'yes' if r['overlaps'] else 'no'} |"
+        )
+    rows += [
+        "",
+        f"**Streaming DiLoCo** ({cfg['fragments']} fragments of {st['fragment_mb']:.2f} MB, one "
+        f"synchronising every {cfg['inner_steps']} steps, delay {cfg['inner_steps'] - 1}; "
+        f"a fragment's exchange alone: {ms(st['fragment_exchange_s'])} ms):",
+        "",
+        "| run | mean step (ms) | mean step, fragment in flight (ms) | waited per sync (ms) | "
+        "period (ms) | period / max(steps, exchange) |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {"no_exchange": "no exchange (compute floor)", "in_step": "exchange in the step",
+             "overlap": "`loco.Overlap` (host thread)"}  # fmt: skip
+    for kind, name in names.items():
+        r = st[kind]
+        ratio = r.get("period_ratio")
+        rows.append(
+            f"| {name} | {ms(r['step_s'])} | {ms(r['step_in_flight_s'])} | "
+            f"{ms(r['wait_per_sync_s'])} | {ms(r['period_s'])} | "
+            f"{'—' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    o = st["overlap"]
+    rows += [
+        "",
+        f"Verdict (step in flight ≤ 1.15×, period ≤ 1.1×): step {o['step_ratio']:.2f}×, "
+        f"period {o['period_ratio']:.2f}×: **{'met' if o['overlaps'] else 'not met'}**.",
+    ]
+    return "\n".join(rows) + "\n"
