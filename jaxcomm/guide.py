@@ -207,7 +207,8 @@ through which collective:
   ⌊32/w⌋ fields of w = bit_length(2n) bits per uint32 (a field sums to at
   most 2n, so it never overflows); psum.
 - `onebit()` / `ef_sign()`: 4·⌈d/32⌉ sign bits + 8 / 4 bytes of scales;
-  `twobit(threshold=0.5)`: 4·⌈d/16⌉ bytes (16 two-bit codes per uint32);
+  `twobit(threshold=0.5)`: 4·⌈d/16⌉ bytes (16 two-bit codes per uint32;
+  on the two-phase exchange the chunk means go with a float32 scale each);
   `sign_majority()`: packed-field psum of sign+1, as terngrad.
 - `dgc(ratio=0.001)` / `dgc_sgd(lr)`: k·(4+4) bytes, with warm-up densities
   from 25% down to 0.1%; all-gather.
@@ -375,7 +376,11 @@ workers are added (int8 moves as much as dense fp32 at n = 8). With
    all-to-all (per bucket) gives worker j every worker's chunk j;
 2. worker j decodes and averages chunk j once, adds its **server residual**
    for that chunk, compresses the result, and keeps what was not sent
-   (error feedback on both sides, DeepSpeed's compressed all-reduce);
+   (error feedback on both sides, DeepSpeed's compressed all-reduce); the
+   codec's `server_codec()` compresses it, the codec itself except for
+   2-bit, whose fixed τ would leave most chunk means (steps of τ/n) unsent:
+   its server rounds to the nearest of {−a, 0, +a}, a = mean |s| of the
+   chunk, and sends a as one float32;
 3. one all-gather of the compressed chunk means; every worker decodes them.
 
 A worker sends 2(n−1)/n·s: the ring bound at the compressed size, and
