@@ -1,12 +1,17 @@
-"""Data-parallel training on scikit-learn's digits (real data, ships offline).
+"""Data-parallel training on scikit-learn's digits (real data, ships offline), one program.
 
-A tiny, exact harness for comparing jaxcomm transforms: the 1,797 8x8 digit
-images are standardised, split 75/25 into train/test with a fixed seed, and
-the training set is dealt evenly to ``n_workers`` (the remainder is dropped).
+A tiny, exact driver of :mod:`experiments.train`'s step for comparing jaxcomm
+transforms: the 1,797 8x8 digit images are standardised, split 75/25 into
+train/test with a fixed seed, and the training set is dealt evenly to
+``n_workers`` (the remainder is dropped: :func:`experiments.data.digits`).
 Every step each worker computes the full-batch gradient of its shard, the
-optimizer (a jaxcomm transform chained with an optax optimizer) exchanges and
-applies it. The whole run is one compiled ``jax.shard_map`` over a ``("data",)``
-mesh with ``lax.fori_loop`` inside, so it is fast on CPU.
+optimizer (any ``tx``, e.g. a jaxcomm transform chained with an optax
+optimizer) exchanges and applies it. Each chunk of steps is one compiled call
+of :func:`experiments.train.make_train_call` (``data.batch_size=0``: the whole
+shard every step) on a ``("data",)`` mesh, so it is fast on CPU; what this
+module adds is the model (:class:`Net`: logistic regression or a tanh MLP on
+plain arrays), evaluation between chunks and the measured time per chunk, with
+no workdir, checkpoints or config file.
 
 Params are kept per worker (leading worker axis, sharded over "data"), so
 methods that let workers drift apart (local SGD, DiLoCo) run on the same
@@ -22,10 +27,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from experiments import data as data_lib
+from experiments import train as harness
 
 AXIS = "data"
 
@@ -39,20 +48,29 @@ class Split(NamedTuple):
 
 def load(n_workers: int, *, seed: int = 0, test_fraction: float = 0.25) -> Split:
     """Digits, standardised and split; the train set dealt evenly to workers."""
-    from sklearn.datasets import load_digits
+    ds = data_lib.digits(n_workers, seed=seed, test_fraction=test_fraction)
+    return Split(ds.x_train, ds.y_train, ds.x_test, ds.y_test)
 
-    x, y = load_digits(return_X_y=True)
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(x))
-    x, y = x[order].astype(np.float32), y[order].astype(np.int32)
-    n_test = int(round(test_fraction * len(x)))
-    x_test, y_test, x_train, y_train = x[:n_test], y[:n_test], x[n_test:], y[n_test:]
-    mu, sd = x_train.mean(0), x_train.std(0) + 1e-3
-    x_train, x_test = (x_train - mu) / sd, (x_test - mu) / sd
-    m = len(x_train) // n_workers
-    x_train = x_train[: m * n_workers].reshape(n_workers, m, -1)
-    y_train = y_train[: m * n_workers].reshape(n_workers, m)
-    return Split(x_train, y_train, x_test, y_test)
+
+def label_skewed(split: Split) -> Split:
+    """The same training set dealt to workers sorted by label: each holds one or two digits.
+
+    Heterogeneous shards (as when each worker's data comes from its own
+    source): the workers' gradients disagree, which is where a biased
+    compressor without error feedback (scaled sign) drifts from the mean
+    gradient, and error feedback repairs it (Karimireddy et al. 2019,
+    arXiv:1901.09847). The test set is unchanged; dense SGD on the full
+    batch is unaffected (the mean gradient is the same).
+    """
+    x = split.x_train.reshape(-1, split.x_train.shape[-1])
+    y = split.y_train.reshape(-1)
+    order = np.argsort(y, kind="stable")
+    return Split(
+        x[order].reshape(split.x_train.shape),
+        y[order].reshape(split.y_train.shape),
+        split.x_test,
+        split.y_test,
+    )
 
 
 def init_params(model: str, key: jax.Array, *, hidden: int = 64) -> dict[str, jax.Array]:
@@ -75,6 +93,23 @@ def logits(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         return x @ params["w"] + params["b"]
     h = jnp.tanh(x @ params["w1"] + params["b1"])
     return h @ params["w2"] + params["b2"]
+
+
+class Net:
+    """:func:`init_params` / :func:`logits` with a flax module's ``init`` / ``apply`` face.
+
+    What :func:`experiments.train.make_train_call` calls; params stay plain
+    dicts (``{"w", "b"}`` or ``{"w1", "b1", "w2", "b2"}``).
+    """
+
+    def __init__(self, model: str = "logreg", hidden: int = 64):
+        self.model, self.hidden = model, hidden
+
+    def init(self, key: jax.Array, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"params": init_params(self.model, key, hidden=self.hidden)}
+
+    def apply(self, variables: dict[str, Any], x: jax.Array, **kwargs: Any) -> jax.Array:
+        return logits(variables["params"], x)
 
 
 def loss_fn(params: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
@@ -143,8 +178,9 @@ def train_curve(
 ) -> Curve:
     """As :func:`train`, but evaluated every ``eval_every`` steps (one compiled call per chunk).
 
-    The chunk is a ``fori_loop`` of ``eval_every`` steps in one jitted
-    ``shard_map``, compiled once (ahead of time, outside the timed calls);
+    The chunk is :func:`experiments.train.make_train_call`'s scan of
+    ``eval_every`` full-shard steps in one jitted ``shard_map``, compiled once
+    (ahead of time, outside the timed calls);
     state is carried between calls, so the final state matches
     :func:`train`'s run of the same length. ``Curve.train_s`` is the measured
     wall clock of the chunks alone. ``on_chunk(step, accuracy)`` is called
@@ -159,40 +195,32 @@ def train_curve(
         )
     split = split or load(n_workers, seed=seed)
     mesh = jax.make_mesh((n_workers,), (AXIS,), devices=jax.devices()[:n_workers])
-    params = init_params(model, jax.random.key(seed), hidden=hidden)
+    net = Net(model, hidden)
+    params = net.init(jax.random.key(seed))["params"]
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n_workers,) + a.shape), t)
-
-    def run(state, x, y):
-        params, opt_state = jax.tree.map(lambda a: a[0], state)
-        x, y = x[0], y[0]
-
-        def step(_, carry):
-            params, opt_state = carry
-            grads = jax.grad(loss_fn)(params, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        params, opt_state = jax.lax.fori_loop(0, eval_every, step, (params, opt_state))
-        return jax.tree.map(lambda a: a[None], (params, opt_state))
-
-    sh = NamedSharding(mesh, P(AXIS))
-    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-    state, x, y = jax.device_put(
-        ((stack(params), stack(tx.init(params))), split.x_train, split.y_train), sh
+    ds = data_lib.Dataset("digits", split.x_train, split.y_train, split.x_test, split.y_test, 10)
+    config = ml_collections.ConfigDict(
+        {"seed": seed, "data": {"batch_size": 0}, "steps_per_call": eval_every}
     )
+    fn = harness.make_train_call(net, tx, mesh, ds, config)
+    state = harness.TrainState(
+        jnp.zeros((n_workers,), jnp.int32), stack(params), {}, stack(tx.init(params))
+    )
+    sh = NamedSharding(mesh, P(AXIS))
+    state, x, y = jax.device_put((state, split.x_train, split.y_train), sh)
     compiled = fn.lower(state, x, y).compile()
     done, accs, times, elapsed = [], [], [], 0.0
     for i in range(steps // eval_every):
         t0 = time.perf_counter()
-        state = jax.block_until_ready(compiled(state, x, y))
+        state, _ = jax.block_until_ready(compiled(state, x, y))
         elapsed += time.perf_counter() - t0
-        p0 = jax.tree.map(lambda a: np.asarray(a)[0], state[0])
+        p0 = jax.tree.map(lambda a: np.asarray(a)[0], state.params)
         done.append((i + 1) * eval_every)
         accs.append(accuracy(p0, split.x_test, split.y_test))
         times.append(elapsed)
         if on_chunk is not None:
             on_chunk(done[-1], accs[-1])
-    params, opt_state = jax.device_get(state)
+    params, opt_state = jax.device_get((state.params, state.opt_state))
     p0 = jax.tree.map(lambda a: a[0], params)
     train_loss = float(
         np.mean([loss_fn(p0, split.x_train[w], split.y_train[w]) for w in range(n_workers)])

@@ -66,7 +66,8 @@ COMPRESSORS = (
     "powersgd",
 )
 OPTIMIZERS = ("sgd", "adam", "adamw")
-WRAPPERS = ("none", "accumulate", "local_sgd", "diloco")
+WRAPPERS = ("none", "accumulate", "local_sgd", "diloco", "streaming_diloco")
+PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco")  # per-worker params
 POLICIES = ("none", "matrices")
 
 
@@ -127,13 +128,16 @@ SCHEDULES = ("constant", "warmup_cosine")
 
 
 def learning_rate(config: ml_collections.ConfigDict) -> float | optax.Schedule:
-    """``config.optimizer.learning_rate``, shaped by ``config.optimizer.schedule`` if set.
+    """``config.optimizer.learning_rate`` x ``lr_scale``, shaped by ``optimizer.schedule`` if set.
 
     ``schedule.name="warmup_cosine"``: linear warm-up from 0 over
     ``schedule.warmup_steps``, then cosine decay to ``schedule.end_factor`` x the
     peak at ``config.num_train_steps`` (one schedule for every method of a study).
     """
     lr = config.optimizer.learning_rate
+    scale = config.optimizer.get("lr_scale", 1.0)
+    if scale != 1.0:
+        lr = lr * scale
     sched = config.optimizer.get("schedule") or {"name": "constant"}
     name = _choice(sched.get("name", "constant"), "config.optimizer.schedule.name", SCHEDULES)
     if name == "constant":
@@ -168,7 +172,7 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                 "config.optimizer: DGC keeps momentum itself and must be followed by plain SGD; "
                 "use optimizer.name='sgd' without momentum (or compressor.name='dgc_sgd')"
             )
-        if policy != "none" or wrapper in ("local_sgd", "diloco"):
+        if policy != "none" or wrapper in PARAM_AVERAGING:
             raise ValueError(
                 "config.compressor.name: 'dgc'/'dgc_sgd' need policy='none', "
                 "wrapper 'none' or 'accumulate'"
@@ -189,8 +193,14 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     every = config.wrapper.get("every", 1)
     if wrapper != "none":
         every = _positive_int(every, "config.wrapper.every")
-    if wrapper in ("local_sgd", "diloco"):
+    if wrapper in PARAM_AVERAGING:
         local_comp = None if comp_name == "allreduce" else comm
+        if wrapper == "streaming_diloco":
+            w = config.wrapper
+            return jaxcomm.streaming_diloco(
+                opt, every=every, fragments=w.get("fragments", 1), delay=w.get("delay", 0),
+                mix=w.get("mix", 0.0), axis_name=AXIS, compressor=local_comp,
+            )  # fmt: skip
         if wrapper == "local_sgd":
             warm = _positive_int(config.wrapper.get("warmup_steps", 0), "wrapper.warmup_steps", 0)
             return jaxcomm.local_sgd(
@@ -236,7 +246,8 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
         _positive_int(config.data.get("seq_len"), "config.data.seq_len", 2)
     if config.data.name == "cifar10":
         data_lib.check_cifar_dir(config.data.get("dir"))
-    _positive_int(config.data.get("batch_size"), "config.data.batch_size")
+    # 0 (classification): the whole shard every step (full-batch gradient descent)
+    _positive_int(config.data.get("batch_size"), "config.data.batch_size", 1 if lm else 0)
     steps = _positive_int(config.num_train_steps, "config.num_train_steps")
     per_call = _positive_int(config.get("steps_per_call", 1), "config.steps_per_call")
     for key in ("eval_every", "checkpoint_every", "stop_after"):
@@ -544,7 +555,12 @@ def _loss_fn(model, lm: bool) -> Callable:
 
 
 def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
-    """jit(shard_map(scan of ``steps_per_call`` steps)), state donated -> (state, losses)."""
+    """jit(shard_map(scan of ``steps_per_call`` steps)), state donated -> (state, losses).
+
+    ``model`` needs only ``apply(variables, x, train=...)`` (a flax module, or
+    :class:`experiments.digits.Net`); ``config`` only ``seed``,
+    ``data.batch_size`` (0: the whole shard every step) and ``steps_per_call``.
+    """
     loss_fn = _loss_fn(model, ds.is_lm)
     batch_size, seq_len = config.data.batch_size, ds.seq_len
     data_key = jax.random.key(config.seed + 1)
@@ -556,7 +572,10 @@ def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
         key = jax.random.fold_in(data_key, jax.lax.axis_index(AXIS))
 
         def body(s: TrainState, _):
-            bx, by = data_lib.sample_batch(x, y, key, s.step, batch_size, seq_len)
+            if batch_size:
+                bx, by = data_lib.sample_batch(x, y, key, s.step, batch_size, seq_len)
+            else:  # data.batch_size 0: the worker's whole shard every step, in order
+                bx, by = x, y
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
             (loss, stats), grads = grad_fn(s.params, s.batch_stats, bx, by)
             updates, opt_state = tx.update(grads, s.opt_state, s.params)

@@ -1,6 +1,18 @@
 """jaxcomm: communication-efficient distributed training as optax transforms."""
 
-from jaxcomm import accounting, core, distributed, exchange, guide, netsim, optim, parallel, sync
+from jaxcomm import (
+    accounting,
+    calibrate,
+    core,
+    distributed,
+    exchange,
+    guide,
+    loco,
+    netsim,
+    optim,
+    parallel,
+    sync,
+)
 from jaxcomm.accounting import wire_bytes
 from jaxcomm.compressors.dense import allreduce, cast
 from jaxcomm.compressors.dgc import dgc, dgc_sgd
@@ -10,7 +22,8 @@ from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
 from jaxcomm.exchange import hierarchical, ring_allreduce
-from jaxcomm.optim import ZeroOneAdamState, onebit_adam, zero_one_adam
+from jaxcomm.loco import muloco, sparseloco, streaming_diloco
+from jaxcomm.optim import ZeroOneAdamState, demo, onebit_adam, zero_one_adam
 from jaxcomm.parallel import data_parallel, init_state
 from jaxcomm.sync import (
     accumulate,
@@ -30,11 +43,13 @@ __all__ = [
     "accounting",
     "accumulate",
     "allreduce",
+    "calibrate",
     "cast",
     "data_parallel",
     "compress",
     "core",
     "delayed_averaging",
+    "demo",
     "dgc",
     "dgc_sgd",
     "diloco",
@@ -46,6 +61,8 @@ __all__ = [
     "init_state",
     "int8",
     "local_sgd",
+    "loco",
+    "muloco",
     "netsim",
     "onebit",
     "onebit_adam",
@@ -57,7 +74,9 @@ __all__ = [
     "ring_allreduce",
     "sign_majority",
     "skip_nonfinite",
+    "sparseloco",
     "stale",
+    "streaming_diloco",
     "sync",
     "terngrad",
     "threshold",

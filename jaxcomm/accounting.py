@@ -231,9 +231,11 @@ def exchange_traffic(
     With ``s(d)`` = :func:`payload_bytes` and :func:`traffic_bytes`'s
     formulas: the all-gather of ``s(d)`` costs ``(n-1)·s(d)``; the two-phase
     exchange an all-to-all of n chunk payloads ``n·s(c)``, ``c = ceil(d/n)``,
-    plus an all-gather of one, ``2(n-1)·s(c)`` in all. Summed over the
-    vectors. Only the payloads: dense leaves, the NaN flag (1 byte in an
-    all-gather either way) and a key agreement are the same on both paths.
+    plus an all-gather of one chunk mean in the payload of the compressor's
+    ``server_codec()``, ``s'(c)`` (usually ``s(c)``): ``(n-1)·(s(c) + s'(c))``
+    in all. Summed over the vectors. Only the payloads: dense leaves, the NaN
+    flag (1 byte in an all-gather either way) and a key agreement are the
+    same on both paths.
 
     Args:
       compressor: a :class:`jaxcomm.Compressor` with ``kind="all_gather"``.
@@ -250,20 +252,22 @@ def exchange_traffic(
       {'gather': 7397376, 'two_phase': 1849344.0}
     """
     n = n_workers
-    sizes: dict[tuple[int, str], int] = {}
+    server = compressor.server_codec()
+    sizes: dict[tuple[int, int, str], int] = {}
 
-    def s(d, dtype):
-        k = (d, jnp.dtype(dtype).name)
+    def s(d, dtype, codec=compressor):
+        k = (id(codec), d, jnp.dtype(dtype).name)
         if k not in sizes:
-            sizes[k] = payload_bytes(compressor, d, dtype)
+            sizes[k] = payload_bytes(codec, d, dtype)
         return sizes[k]
 
     gather, two = [], []
     for d, dtype in vectors:
-        sd, sc = s(d, dtype), s(-(-d // n), dtype)
+        c = -(-d // n)
+        sd, sc, ss = s(d, dtype), s(c, dtype), s(c, dtype, server)
         gather.append(Collective("all_gather", None, sd, "uint8", (sd,)))
         two.append(Collective("all_to_all", None, n * sc, "uint8", (n, sc)))
-        two.append(Collective("all_gather", None, sc, "uint8", (sc,)))
+        two.append(Collective("all_gather", None, ss, "uint8", (ss,)))
     return {"gather": traffic_bytes(gather, n), "two_phase": traffic_bytes(two, n)}
 
 

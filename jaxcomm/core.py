@@ -89,6 +89,11 @@ class Compressor(Protocol):
         threshold read only what they selected (which holds any non-finite entry)."""
         ...
 
+    def server_codec(self) -> "Compressor":
+        """The codec that re-compresses the chunk means in the two-phase exchange's
+        second phase (:func:`jaxcomm.exchange.two_phase`); default this one."""
+        ...
+
 
 class CompressorBase:
     """Defaults for :class:`Compressor` implementations: derive every compressor from it.
@@ -106,6 +111,13 @@ class CompressorBase:
         ``to_agree(p, key)`` gives it, the max over workers goes to
         ``encode_agreed(p, key, agreed)`` (TernGrad's shared scale); all
         vectors' values travel in one bucketed all-reduce.
+
+    ``server_codec()`` is the codec of the two-phase exchange's second phase
+    (the owner of a chunk re-compresses the workers' mean of it, plus its
+    server residual, and all-gathers it): by default the compressor itself;
+    a codec whose fixed parameters suit a worker's vector but not a mean of
+    n decoded ones returns another (2-bit: a per-chunk scale, see
+    :class:`jaxcomm.compressors.sign.TwoBitServer`).
     """
 
     kind: str = "all_gather"
@@ -133,6 +145,9 @@ class CompressorBase:
 
     def all_finite(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         return jnp.isfinite(jnp.sum(p * 0))
+
+    def server_codec(self) -> "CompressorBase":
+        return self
 
 
 class CompressState(NamedTuple):

@@ -328,8 +328,9 @@ def choose_exchange(
     ``"auto"`` picks, for all-gathered payloads, the exchange that moves fewer
     bytes per worker (:func:`jaxcomm.accounting.exchange_traffic`): each
     worker receives ``(n-1)·s(d)`` in the all-gather, and sends
-    ``2(n-1)·s(ceil(d/n))`` in the two-phase exchange (an all-to-all of its n
-    compressed chunks, an all-gather of one compressed chunk mean), summed
+    ``(n-1)·(s(ceil(d/n)) + s'(ceil(d/n)))`` in the two-phase exchange (an
+    all-to-all of its n compressed chunks, an all-gather of one chunk mean
+    compressed by the server codec, ``s'``, usually ``s``), summed
     over the vectors, with ``s`` the codec's payload bytes (per-chunk scales
     and word padding included). On a tie, ``"gather"``: one compression, no
     server residual. That is every n <= 2 for every codec, and a tree of
@@ -380,7 +381,9 @@ def two_phase(
        every worker's compressed chunk j (one per bucket of all vectors);
     2. worker j decodes and averages chunk j once (O(d) work in all,
        independent of n), adds its *server* error-feedback residual for that
-       chunk, compresses the result and keeps what was not sent;
+       chunk, compresses the result with ``compressor.server_codec()`` (the
+       compressor itself unless it names another, e.g. 2-bit's per-chunk
+       scale) and keeps what was not sent;
     3. an all-gather of the compressed means; every worker decodes them all.
 
     Per-worker traffic is ``2(n-1)/n·s`` for a compressed size ``s``, the
@@ -409,6 +412,7 @@ def two_phase(
     layout, chunk_keys, own, received, _ = _phase_one(
         compressor, vecs, keys, axis_name, bucket_bytes, flag=None
     )
+    server = compressor.server_codec()  # phase two's codec
     phase2, new_servers = [], []
     for v, (d, c), rec, k, srv in zip(vecs, layout, received, chunk_keys, servers):
         mean = compressor.decode_mean(rec, None, c, v.dtype, n)  # my chunk, all workers
@@ -418,11 +422,11 @@ def two_phase(
             s = s_state.astype(v.dtype)
         else:
             s = mean
-        payload, aux = compressor.encode(s, k)
+        payload, aux = server.encode(s, k)
         payload = tuple(payload)
         phase2.append(payload)
         if srv is not None:
-            r = compressor.residual(s_state, payload, aux).astype(srv.dtype)
+            r = server.residual(s_state, payload, aux).astype(srv.dtype)
             new_servers.append(lax.dynamic_update_slice_in_dim(padded, r, me * c, 0)[:d])
         else:
             new_servers.append(None)
@@ -438,7 +442,7 @@ def two_phase(
         rows = gathered[i : i + len(payload)]
         i += len(payload)
         dec = jax.vmap(
-            lambda *pl, c=c, dt=v.dtype: compressor.decode(tuple(x[None] for x in pl), None, c, dt)
+            lambda *pl, c=c, dt=v.dtype: server.decode(tuple(x[None] for x in pl), None, c, dt)
         )(*rows)
         means.append(dec.reshape(-1)[:d])
     return means, own, new_servers, ok

@@ -171,8 +171,9 @@ params, opt_state = stack(params), stack(tx.init(params))
 
 ## Practical notes
 
-- `experiments/digits.py` is a complete, small example (a whole training
-  run in one compiled `shard_map`); `experiments/train.py` the launcher.
+- `experiments/train.py` is the training harness (its step: `make_train_call`,
+  a chunk of steps in one compiled `shard_map`); `experiments/digits.py`
+  drives that step on digits in a few lines, with any `tx`.
 - Written by hand, on XLA:CPU with fake devices, block on each step
   (`jax.block_until_ready`) or run many steps inside one jit: with many
   collective steps in flight the in-process communicator can deadlock (the
@@ -206,7 +207,8 @@ through which collective:
   ⌊32/w⌋ fields of w = bit_length(2n) bits per uint32 (a field sums to at
   most 2n, so it never overflows); psum.
 - `onebit()` / `ef_sign()`: 4·⌈d/32⌉ sign bits + 8 / 4 bytes of scales;
-  `twobit(threshold=0.5)`: 4·⌈d/16⌉ bytes (16 two-bit codes per uint32);
+  `twobit(threshold=0.5)`: 4·⌈d/16⌉ bytes (16 two-bit codes per uint32;
+  on the two-phase exchange the chunk means go with a float32 scale each);
   `sign_majority()`: packed-field psum of sign+1, as terngrad.
 - `dgc(ratio=0.001)` / `dgc_sgd(lr)`: k·(4+4) bytes, with warm-up densities
   from 25% down to 0.1%; all-gather.
@@ -374,7 +376,11 @@ workers are added (int8 moves as much as dense fp32 at n = 8). With
    all-to-all (per bucket) gives worker j every worker's chunk j;
 2. worker j decodes and averages chunk j once, adds its **server residual**
    for that chunk, compresses the result, and keeps what was not sent
-   (error feedback on both sides, DeepSpeed's compressed all-reduce);
+   (error feedback on both sides, DeepSpeed's compressed all-reduce); the
+   codec's `server_codec()` compresses it, the codec itself except for
+   2-bit, whose fixed τ would leave most chunk means (steps of τ/n) unsent:
+   its server rounds to the nearest of {−a, 0, +a}, a = mean |s| of the
+   chunk, and sends a as one float32;
 3. one all-gather of the compressed chunk means; every worker decodes them.
 
 A worker sends 2(n−1)/n·s: the ring bound at the compressed size, and
@@ -466,7 +472,7 @@ two-phase exchange, against dense Adam's 32 (`wire_bytes` gives the exact
 figure for your tree).
 Its update is identical on every worker but typed per worker under
 `shard_map` (the frozen v is per-worker state): use `out_specs=P("data")`
-for params, as `experiments/digits.py` does, or `pmap`.
+for params, as `experiments/train.py` does, or `pmap`.
 
 # 0/1 Adam
 
@@ -539,7 +545,7 @@ report counts a bf16 all-reduce at the 4 bytes per entry XLA:CPU moves
 `wire_report(tx, params, n, backend="gpu")` gives the bytes a GPU/TPU
 cluster moves, from a CPU machine (the default, `backend=None`, is the
 backend JAX runs on; `netsim.step_time_for`, the what-if tables and
-`experiments.compare`'s native wire use `"gpu"`). fp16 and
+`experiments.studies.compare`'s native wire use `"gpu"`). fp16 and
 int8/uint8/uint16/uint32 payloads are moved as they are everywhere.
 
 # Buckets: one collective per bucket
@@ -665,8 +671,9 @@ an error listing why each failed. A state holding NaN/Inf is not saved, so
 losses, accuracy, cumulative wire bytes per worker, simulated communication
 time at `config.netsim.gbps`); `metrics.png`; `checkpoints/`.
 
-**The comparison job.** `python -m experiments.compare` trains a
-label-skewed digits MLP with ten methods on 8 simulated workers and reports
+**The comparison job.** `python -m experiments.studies.compare` trains a
+label-skewed digits MLP with ten methods (variants of
+`experiments/configs/digits_compare.py`, the method registry) on 8 simulated workers and reports
 accuracy, bytes per step and the time to target at 0.01–10 Gbit/s (measured
 compute plus `jaxcomm.netsim` communication for the bytes GPU/TPU move;
 `--wire=xla_cpu` for XLA:CPU's); `--noquick` runs the longer preset; it
@@ -937,6 +944,53 @@ Replicas drift apart between synchronisations and agree right after one (to
 the last bit of float32 rounding of `params + (new - params)`). Workers must
 start from the same `init` so their counters agree.
 
+## The DiLoCo family (`jaxcomm.loco`)
+
+- `jaxcomm.streaming_diloco(inner, every=H, fragments=P, delay=tau, mix=alpha,
+  axis_name=..., compressor=None)`: the leaves split into P fragments of
+  about equal size; fragment f sends at the steps s with
+  `s % H == ((f + 1) * H // P) % H` (one sync of 1/P of the model every H/P
+  steps), its outer step runs on the fragment's averaged drift, and the
+  result is merged tau steps later: `local = alpha * local + (1 - alpha) *
+  anchor`. `fragments=1, delay=0` is `diloco`. A `compressor` (e.g. int8 or
+  4-bit QSGD with `exchange="two_phase"` and error feedback) quantises the
+  outer gradient, each fragment with its own state.
+- **Real overlap.** In one compiled step the exchange runs at the send step
+  and tau only fixes when its result is used (the delay is simulated).
+  `jaxcomm.loco.Overlap` runs each fragment's exchange as a program of its
+  own in a host thread while the next tau steps run, with bit-identical
+  results (tests/test_streaming.py); build the transform with
+  `rule.transform(overlap=True)`:
+
+```python
+rule = jaxcomm.loco.StreamingDiLoCo(optax.adamw(4e-4), every=100, fragments=4,
+                                    delay=5, axis_name="data")
+tx, ov = rule.transform(overlap=True), jaxcomm.loco.Overlap(rule, mesh)
+for batch in batches:  # train_step: per-worker params and state, one inner step
+    params, opt_state = ov.step(train_step, params, opt_state, batch)
+opt_state = ov.drain(opt_state)  # before a checkpoint: exact
+```
+
+  A thread, because on XLA:CPU a second program dispatched to the same
+  device waits for the first: asynchronous dispatch alone does not overlap
+  (`experiments/bench/overlap.py` measures both; results in
+  `experiments/results/overlap.json`). `ov.wait_s` is the communication
+  the tau steps did not hide. The step itself must run no collective while
+  a fragment is in flight.
+- `jaxcomm.sparseloco(inner, every=H, axis_name=...)`: no outer momentum;
+  each worker's drift goes into a decayed error-feedback buffer whose
+  chunked top-k, quantised to 2 bits with a per-chunk scale, is
+  all-gathered and averaged (the anchor moves by `outer_learning_rate` times
+  the mean).
+- `jaxcomm.muloco(learning_rate, every=H, axis_name=..., compressor=None)`:
+  `diloco` with `optax.contrib.muon` as the inner optimizer.
+- `jaxcomm.demo(learning_rate, ...)` (in `jaxcomm.optim`): DeMo keeps a
+  local momentum, sends the top-k coefficients of its chunked DCT (the
+  rest stays in the momentum), and steps by the sign of the averaged
+  transmitted part.
+
+The parameter-averaging members keep params per worker, like `diloco`.
+
 # Notebooks
 
 `colab/` holds three notebooks that import `jaxcomm` and `experiments` and
@@ -977,12 +1031,14 @@ top-k break-even, measured against predicted step times from
       parallel.py      data_parallel / init_state: the data-parallel step helper
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
-    experiments/       main.py + train.py + configs/ (launcher); compare.py (the comparison
-                       job); examples/ (nnx and linen loops); bench/ (benchmarks: timings,
+    experiments/       main.py + train.py (the harness) + configs/ (their variants are the
+                       method registry); digits.py (train.py's step on digits, any tx);
+                       examples/ (nnx and linen loops); bench/ (benchmarks: timings,
                        threshold_fill, whatif, sync_sweep, torch_peers: PyTorch DDP twins);
-                       launch.py, netlab/ (real processes, shaped links); studies/ (the LM
-                       study, the MLP netstudy, verdict rules, generated tables); results/
-                       (the JSON behind every table)
+                       launch.py, netlab/ (real processes, shaped links); studies/ (the
+                       comparison job and its time axis, the LM study, the MLP netstudy,
+                       verdict rules, generated tables); results/ (the JSON behind every
+                       table)
     tests/             one module per jaxcomm module, test_registry.py (every public
                        transform), convergence, real processes, netlab, notebooks
     colab/             notebooks

@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = ["axis_size", "data_parallel", "init_state", "is_worker_state", "state_mask"]
 
 # wrappers whose params differ per worker between synchronisations
-_PER_WORKER_PARAMS = ("LocalSGDState", "DiLoCoState")
+_PER_WORKER_PARAMS = ("LocalSGDState", "DiLoCoState", "StreamingDiLoCoState", "SparseLoCoState")
 
 
 def is_worker_state(x: Any) -> bool:

@@ -167,7 +167,7 @@ class StaleState(NamedTuple):
 # --- helpers ------------------------------------------------------------------------
 
 
-def _check_tx(tx: Any, name: str) -> optax.GradientTransformation:
+def check_tx(tx: Any, name: str) -> optax.GradientTransformation:
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
             f"{name}: expected an optax.GradientTransformation (e.g. optax.sgd(0.1)), "
@@ -185,7 +185,7 @@ def check_state(state: Any, cls: type, fn: str) -> None:
     core.check_scalar_count(state, fn)
 
 
-def _require_params(params: Any, fn: str) -> None:
+def require_params(params: Any, fn: str) -> None:
     if params is None:
         raise ValueError(
             f"params: {fn} averages parameters, so update needs the current per-worker params: "
@@ -193,11 +193,11 @@ def _require_params(params: Any, fn: str) -> None:
         )
 
 
-def _zero() -> jax.Array:
+def zero_count() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
 
-def _inc(x: jax.Array) -> jax.Array:
+def inc_count(x: jax.Array) -> jax.Array:
     return optax.safe_int32_increment(x)
 
 
@@ -223,17 +223,17 @@ def typed_cond(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands
     return lax.cond(pred, typed(true_fn), typed(false_fn), *operands)
 
 
-def _apply(params: Any, updates: Any) -> Any:
+def add_updates(params: Any, updates: Any) -> Any:
     """``optax.apply_updates``: ``(p + u)`` in the params' dtype."""
     return jax.tree.map(lambda p, u: (p + u).astype(jnp.result_type(p)), params, updates)
 
 
-def _diff(new: Any, params: Any, like: Any) -> Any:
+def updates_to(new: Any, params: Any, like: Any) -> Any:
     """Updates that move ``params`` to ``new``, in the dtypes of ``like``."""
     return jax.tree.map(lambda a, p, u: (a - p).astype(u.dtype), new, params, like)
 
 
-def _compressor(compressor: Any, axis_name: AxisName | None) -> Any:
+def as_compressor(compressor: Any, axis_name: AxisName | None) -> Any:
     """A compressed-averaging transform from a jaxcomm transform or a Compressor."""
     if compressor is None:
         return None
@@ -244,10 +244,10 @@ def _compressor(compressor: Any, axis_name: AxisName | None) -> Any:
                 "compressor=jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name=...)"
             )
         return core.compress(compressor, axis_name=axis_name, min_size=0)
-    return _check_tx(compressor, "compressor")
+    return check_tx(compressor, "compressor")
 
 
-def _check_compressor_axis(comp: Any, params: Any, axis_name: AxisName | None) -> None:
+def check_compressor_axis(comp: Any, params: Any, axis_name: AxisName | None) -> None:
     """The compressor must average over ``axis_name`` itself (abstract trace, no devices)."""
     axes = {c.axis for c in accounting.wire_report(comp, params, 2)}
     if axis_name is None and axes:
@@ -311,14 +311,14 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
       Hour", 2017, arXiv:1706.02677 (large batches, which accumulation
       emulates).
     """
-    inner = _check_tx(inner, "inner")
+    inner = check_tx(inner, "inner")
     every = core.check_int(every, "every", 1)
 
     def init_fn(params):
         return AccumulateState(
-            count=_zero(),
-            mini_step=_zero(),
-            syncs=_zero(),
+            count=zero_count(),
+            mini_step=zero_count(),
+            syncs=zero_count(),
             acc=jax.tree.map(jnp.zeros_like, params),
             inner_state=inner.init(params),
         )
@@ -330,7 +330,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
 
         def step(mean, acc, inner_state, params, syncs):
             u, inner_state = inner.update(mean, inner_state, params)
-            return u, jax.tree.map(jnp.zeros_like, acc), inner_state, _inc(syncs)
+            return u, jax.tree.map(jnp.zeros_like, acc), inner_state, inc_count(syncs)
 
         def wait(mean, acc, inner_state, params, syncs):
             shapes, _ = jax.eval_shape(inner.update, mean, inner_state, params)
@@ -342,7 +342,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
             emit, step, wait, mean, acc, state.inner_state, params, state.syncs
         )
         return u, AccumulateState(
-            count=_inc(state.count),
+            count=inc_count(state.count),
             mini_step=jnp.where(emit, 0, state.mini_step + 1).astype(jnp.int32),
             syncs=syncs,
             acc=acc,
@@ -416,43 +416,43 @@ def local_sgd(
       arXiv:1805.09767. Lin et al., "Don't Use Large Mini-Batches, Use Local
       SGD", ICLR 2020, arXiv:1808.07217 (post-local SGD).
     """
-    inner = _check_tx(inner, "inner")
+    inner = check_tx(inner, "inner")
     every = core.check_int(every, "every", 1)
     warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comp = _compressor(compressor, axis_name)
+    comp = as_compressor(compressor, axis_name)
 
     def init_fn(params):
         if comp is not None:
-            _check_compressor_axis(comp, params, axis_name)
+            check_compressor_axis(comp, params, axis_name)
         return LocalSGDState(
-            count=_zero(),
-            local_steps=_zero(),
-            syncs=_zero(),
+            count=zero_count(),
+            local_steps=zero_count(),
+            syncs=zero_count(),
             inner_state=inner.init(params),
             anchor=None if comp is None else jax.tree.map(jnp.asarray, params),
             compressor_state=None if comp is None else comp.init(params),
         )
 
     def update_fn(updates, state, params=None):
-        _require_params(params, "local_sgd")
+        require_params(params, "local_sgd")
         check_state(state, LocalSGDState, "local_sgd")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, comp_state, syncs):
-            local = _apply(params, u)
+            local = add_updates(params, u)
             if comp is not None:
                 delta = jax.tree.map(lambda x, a: x - a, local, anchor)
                 mean, comp_state = comp.update(delta, comp_state, anchor)
-                new = _apply(anchor, mean)
+                new = add_updates(anchor, mean)
                 anchor = new
             elif axis_name is None:
-                return u, anchor, comp_state, _inc(syncs)
+                return u, anchor, comp_state, inc_count(syncs)
             else:
                 new = buckets.pmean(local, axis_name, bucket_bytes)
-            return _diff(new, params, u), anchor, comp_state, _inc(syncs)
+            return updates_to(new, params, u), anchor, comp_state, inc_count(syncs)
 
         def stay(u, params, anchor, comp_state, syncs):
             return u, anchor, comp_state, syncs
@@ -462,7 +462,7 @@ def local_sgd(
             is_sync, sync, stay, u, params, state.anchor, state.compressor_state, state.syncs
         )
         return u, LocalSGDState(
-            count=_inc(state.count),
+            count=inc_count(state.count),
             local_steps=jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32),
             syncs=syncs,
             inner_state=inner_state,
@@ -527,21 +527,21 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, arXiv:2311.08105.
     """
-    inner = _check_tx(inner, "inner")
-    outer = _check_tx(outer, "outer")
+    inner = check_tx(inner, "inner")
+    outer = check_tx(outer, "outer")
     every = core.check_int(every, "every", 1)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comp = _compressor(compressor, axis_name)
+    comp = as_compressor(compressor, axis_name)
 
     def init_fn(params):
         if comp is not None:
-            _check_compressor_axis(comp, params, axis_name)
+            check_compressor_axis(comp, params, axis_name)
         anchor = jax.tree.map(jnp.asarray, params)
         return DiLoCoState(
-            count=_zero(),
-            local_steps=_zero(),
-            syncs=_zero(),
+            count=zero_count(),
+            local_steps=zero_count(),
+            syncs=zero_count(),
             inner_state=inner.init(params),
             anchor=anchor,
             outer_state=outer.init(anchor),
@@ -549,13 +549,13 @@ def diloco(
         )
 
     def update_fn(updates, state, params=None):
-        _require_params(params, "diloco")
+        require_params(params, "diloco")
         check_state(state, DiLoCoState, "diloco")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, outer_state, comp_state, syncs):
-            local = _apply(params, u)
+            local = add_updates(params, u)
             if comp is not None:
                 drift = jax.tree.map(lambda a, x: a - x, anchor, local)
                 delta, comp_state = comp.update(drift, comp_state, anchor)
@@ -563,8 +563,8 @@ def diloco(
                 mean = local if axis_name is None else buckets.pmean(local, axis_name, bucket_bytes)
                 delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
             step, outer_state = outer.update(delta, outer_state, anchor)
-            anchor = _apply(anchor, step)
-            return _diff(anchor, params, u), anchor, outer_state, comp_state, _inc(syncs)
+            anchor = add_updates(anchor, step)
+            return updates_to(anchor, params, u), anchor, outer_state, comp_state, inc_count(syncs)
 
         def stay(u, params, anchor, outer_state, comp_state, syncs):
             return u, anchor, outer_state, comp_state, syncs
@@ -582,7 +582,7 @@ def diloco(
             state.syncs,
         )
         return u, DiLoCoState(
-            count=_inc(state.count),
+            count=inc_count(state.count),
             local_steps=jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32),
             syncs=syncs,
             inner_state=inner_state,
@@ -640,15 +640,15 @@ def delayed_averaging(
       Communication Latency for Federated Learning", NeurIPS 2021,
       openreview.net/forum?id=ACFHNxVNvfk.
     """
-    inner = _check_tx(inner, "inner")
+    inner = check_tx(inner, "inner")
     delay = core.check_int(delay, "delay", 0)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
     def init_fn(params):
         return DelayedAveragingState(
-            count=_zero(),
-            head=_zero(),
+            count=zero_count(),
+            head=zero_count(),
             queue=_queue(params, delay) if delay else None,
             inner_state=inner.init(params),
         )
@@ -667,7 +667,7 @@ def delayed_averaging(
             head = ((head + 1) % delay).astype(jnp.int32)
         u, inner_state = inner.update(corrected, state.inner_state, params)
         return u, DelayedAveragingState(
-            count=_inc(state.count), head=head, queue=queue, inner_state=inner_state
+            count=inc_count(state.count), head=head, queue=queue, inner_state=inner_state
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -703,13 +703,13 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
       Parallel Stochastic Gradient for Nonconvex Optimization", NeurIPS 2015,
       arXiv:1506.08272.
     """
-    inner = _check_tx(inner, "inner")
+    inner = check_tx(inner, "inner")
     staleness = core.check_int(staleness, "staleness", 0)
 
     def init_fn(params):
         return StaleState(
-            count=_zero(),
-            head=_zero(),
+            count=zero_count(),
+            head=zero_count(),
             queue=_queue(params, staleness) if staleness else None,
             inner_state=inner.init(params),
         )
@@ -718,7 +718,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
         check_state(state, StaleState, "stale")
         if staleness == 0:
             u, inner_state = inner.update(updates, state.inner_state, params)
-            return u, state._replace(count=_inc(state.count), inner_state=inner_state)
+            return u, state._replace(count=inc_count(state.count), inner_state=inner_state)
         arrived, queue = _push_pop(state.queue, state.head, updates)
         arrived = jax.tree.map(lambda a, g: a.astype(g.dtype), arrived, updates)
 
@@ -732,7 +732,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
         ready = state.count >= staleness
         u, inner_state = typed_cond(ready, apply, wait, arrived, state.inner_state, params)
         return u, StaleState(
-            count=_inc(state.count),
+            count=inc_count(state.count),
             head=((state.head + 1) % staleness).astype(jnp.int32),
             queue=queue,
             inner_state=inner_state,
@@ -803,7 +803,7 @@ def skip_nonfinite(
       >>> tx = jaxcomm.skip_nonfinite(
       ...     optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1)))
     """
-    inner = _check_tx(inner, "inner")
+    inner = check_tx(inner, "inner")
     axis_name = exchange.check_axis_name(axis_name)
     if max_consecutive_errors is not None:
         max_consecutive_errors = core.check_int(max_consecutive_errors, "max_consecutive_errors", 0)
@@ -811,8 +811,8 @@ def skip_nonfinite(
     def init_fn(params):
         return SkipNonfiniteState(
             inner_state=inner.init(params),
-            notfinite_count=_zero(),
-            total_notfinite=_zero(),
+            notfinite_count=zero_count(),
+            total_notfinite=zero_count(),
             last_finite=jnp.ones((), jnp.bool_),
         )
 
@@ -837,7 +837,9 @@ def skip_nonfinite(
         out = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
         return out, SkipNonfiniteState(
             inner_state=jax.tree.map(pick, new_inner, state.inner_state),
-            notfinite_count=jnp.where(finite, 0, _inc(state.notfinite_count)).astype(jnp.int32),
+            notfinite_count=jnp.where(finite, 0, inc_count(state.notfinite_count)).astype(
+                jnp.int32
+            ),
             total_notfinite=state.total_notfinite + (~finite).astype(jnp.int32),
             last_finite=finite,
         )

@@ -1,4 +1,5 @@
-"""The README's main job (experiments.compare) and its method harness (experiments.methods)."""
+"""The README's main job (experiments.studies.compare), its time axis (experiments.studies.tta)
+and its method registry (the variants of experiments/configs/digits_compare.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import jax
 import pytest
 
 import jaxcomm
-from experiments import digits, methods, tta
+from experiments import digits, train
+from experiments.configs import common, digits_compare
+from experiments.studies import tta
 from jaxcomm import netsim
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,17 +24,30 @@ QUICK = {"steps": 200, "eval_every": 50, "lr": 0.5, "hidden": 256}
 
 @pytest.fixture(scope="module")
 def sign_runs(digits_split):
-    skewed = methods.label_skewed(digits_split)
-    return {m: methods.run(m, split=skewed, **QUICK) for m in ("EF-sign", "sign no EF")}
+    skewed = digits.label_skewed(digits_split)
+    return {m: tta.run(m, split=skewed, **QUICK) for m in ("EF-sign", "sign no EF")}
 
 
 def test_label_skewed_deals_the_same_examples_sorted_by_label(digits_split):
-    skewed = methods.label_skewed(digits_split)
+    skewed = digits.label_skewed(digits_split)
     assert skewed.x_train.shape == digits_split.x_train.shape
     ys = skewed.y_train.reshape(-1)
     assert (ys[1:] >= ys[:-1]).all()  # worker 0 holds the 0s, worker 7 the 9s
     assert sorted(ys.tolist()) == sorted(digits_split.y_train.reshape(-1).tolist())
     assert len(set(skewed.y_train[0].tolist())) <= 2
+
+
+def test_every_method_is_a_valid_config_variant():
+    """The registry is the config's variants: each validates as a training config, and
+    ``common.optimizer`` builds it with the learning rate asked for (DGC's scaled by 0.1)."""
+    for name in digits_compare.VARIANTS:
+        config = common.variant_config(digits_compare, name, learning_rate=0.3)
+        train.validate(config)  # raises naming the key if a variant were malformed
+        assert train.learning_rate(config) == pytest.approx(0.03 if "DGC" in name else 0.3)
+    assert common.comm_every(digits_compare.get_config("local SGD H=8")) == 8
+    assert common.comm_every(digits_compare.get_config("EF-sign")) == 1
+    with pytest.raises(ValueError, match="unknown"):
+        tta.run("no such method", split=None, steps=1, eval_every=1, lr=0.1)
 
 
 def test_sign_without_error_feedback_ends_measurably_below_ef_sign(sign_runs):
@@ -58,13 +74,13 @@ def test_run_records_a_measured_time_axis(sign_runs):
 def _fake_run(method, tx, comm_every=1):
     """A Run with made-up measured times, so the time axis can be checked exactly."""
     params = digits.init_params("mlp", jax.random.key(0), hidden=64)
-    return methods.Run(
+    return tta.Run(
         method=method,
         steps=[10, 20, 30],
         accuracy=[0.5, 0.9, 0.95],
         train_s=[0.1, 0.2, 0.3],
         train_loss=0.1,
-        report=jaxcomm.accounting.wire_report(tx, params, 8, backend="gpu"),  # as methods.run
+        report=jaxcomm.accounting.wire_report(tx, params, 8, backend="gpu"),  # as tta.run
         comm_every=comm_every,
         n_workers=8,
     )
@@ -95,7 +111,7 @@ def test_wire_xla_cpu_widens_bf16_all_reduce_only():
     assert bf16.bytes_per_step("xla_cpu") == fp32.bytes_per_step("native")
     assert topk.bytes_per_step("xla_cpu") == topk.bytes_per_step("native")
     with pytest.raises(ValueError, match="wire"):
-        methods.moved(bf16.report, "gpu")
+        tta.moved(bf16.report, "gpu")
 
 
 def test_ranking_changes_with_link_rate_when_compute_and_bytes_trade_off():
@@ -120,9 +136,9 @@ def test_summary_json_and_plot(sign_runs, tmp_path):
 
 
 def test_main_job_command_runs_end_to_end(tmp_path):
-    """``python -m experiments.compare`` on a tiny setting: table, JSON and plot in the workdir."""
+    """``python -m experiments.studies.compare``, tiny: table, JSON and plot in the workdir."""
     argv = [
-        sys.executable, "-m", "experiments.compare", "--methods=dense fp32,dense bf16",
+        sys.executable, "-m", "experiments.studies.compare", "--methods=dense fp32,dense bf16",
         "--steps=40", "--eval_every=20", "--hidden=32", f"--workdir={tmp_path}", "--noprogress",
     ]  # fmt: skip
     out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -133,7 +149,10 @@ def test_main_job_command_runs_end_to_end(tmp_path):
     params = digits.init_params("mlp", jax.random.key(0), hidden=32)
     for r in rows:  # native wire: the algorithm's bytes (bf16 at 2 bytes per entry)
         assert r["bytes_per_step"] == jaxcomm.wire_bytes(
-            methods.METHODS[r["method"]](0.3), params, 8, backend="gpu"
+            common.optimizer(digits_compare, r["method"], learning_rate=0.3),
+            params,
+            8,
+            backend="gpu",
         )
     assert rows[1]["bytes_per_step"] < 0.7 * rows[0]["bytes_per_step"]
     assert (tmp_path / "compare.png").stat().st_size > 1000

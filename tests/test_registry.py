@@ -115,10 +115,6 @@ REGISTRY.update(
     }
 )
 STEPS = {"accumulate": 2, "stale": 2}
-# Steps before every leaf has moved, where more than STEPS. twobit: its default exchange on 8
-# workers is two-phase, where the server re-quantises the chunk means (multiples of tau/8)
-# with threshold tau: a leaf's first steps can send nothing until the server residual fills.
-MOVED_AFTER = {"twobit": 3}
 
 
 def steps(name, update, g, state):
@@ -136,6 +132,11 @@ TESTED_ELSEWHERE = {
     "local_sgd": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "diloco": "tests/test_sync.py (per-worker params; updates differ between syncs)",
     "hierarchical": "tests/test_topology.py (needs a 2-D mesh)",
+    "muloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
+    "sparseloco": "tests/test_loco.py (per-worker params; updates differ between syncs)",
+    "streaming_diloco": "tests/test_streaming.py (per-worker params; NumPy reference)",
+    "demo": "tests/test_demo.py (per-worker momentum; with a schedule the identical update "
+    "is typed per worker; NumPy reference, HLO bytes, NaN rule)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
     "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
@@ -244,7 +245,7 @@ def test_chain_with_sgd_runs_under_shard_map_with_replicated_params(name):
     rep, sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     g = H.per_worker_grads(PARAMS, seed=4)
     new_params, opt_state = jax.device_put(PARAMS, rep), jax.device_put(opt_state, sh)
-    for _ in range(MOVED_AFTER.get(name, STEPS.get(name, 1))):
+    for _ in range(STEPS.get(name, 1)):
         new_params, opt_state = fn(new_params, opt_state, jax.device_put(g, sh))
     assert all(np.any(np.asarray(new_params[k]) != 0) for k in PARAMS)
 

@@ -199,8 +199,9 @@ def test_twobit_residual_invariant():
         (sign.ScaledSign(), 4 * 32 + 4),
         (sign.MajorityVote("x"), 4 * math.ceil(1000 / 6)),  # n=8: 5-bit fields, 6 a word
         (sign.TwoBit(0.5), 4 * math.ceil(1000 / 16)),
+        (sign.TwoBitServer(), 4 * math.ceil(1000 / 16) + 4),  # + the float32 scale
     ],
-    ids=["onebit", "onebit-b100", "ef_sign", "majority", "twobit"],
+    ids=["onebit", "onebit-b100", "ef_sign", "majority", "twobit", "twobit_server"],
 )
 def test_wire_size_formula_equals_traced_bytes(comp, expected_1000):
     params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((33, 31)), "c": jnp.zeros((1,))}

@@ -4,12 +4,22 @@ import os
 import pickle
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from experiments import data as data_lib
 from experiments import train
-from experiments.configs import char_transformer, cifar_resnet, digits_mlp, lm_shakespeare
+from experiments.configs import (
+    char_transformer,
+    cifar_resnet,
+    digits_compare,
+    digits_mlp,
+    lm_shakespeare,
+)
 
 
 def tiny(config, steps=1, per_call=1):
@@ -54,6 +64,8 @@ CONFIGS = {
     "digits_mlp": lambda: digits_mlp.get_config(),
     "digits_mlp:powersgd": lambda: digits_mlp.get_config("powersgd"),
     "digits_mlp:local_sgd": lambda: digits_mlp.get_config("local_sgd"),
+    # the comparison study's registry; DGC: compressor dgc_sgd, learning rate x lr_scale
+    "digits_compare:DGC 1%": lambda: digits_compare.get_config("DGC 1%"),
     "char_transformer": lambda: char_transformer.get_config(),
     "cifar_resnet": lambda: cifar_resnet.get_config(),
     "lm_shakespeare": lambda: lm_shakespeare.get_config(),
@@ -92,11 +104,13 @@ def test_checkpoint_round_trip_bit_exact(variant, tmp_path):
         assert sum(x.ndim == 3 and x.dtype == np.float32 for x in opt_leaves) >= 2
 
 
-@pytest.mark.parametrize("variant", ["powersgd", "local_sgd"])
+@pytest.mark.parametrize("variant", ["powersgd", "local_sgd", "streaming_int8"])
 def test_resume_equals_uninterrupted(variant, tmp_path):
     def cfg(steps):
         c = tiny(digits_mlp.get_config(variant), steps=steps, per_call=2)
         c.wrapper.every = 3  # local SGD: a sync falls after the resume point
+        if variant == "streaming_int8":  # fragment 0 sends at step 2 and merges at 3: the
+            c.wrapper.every = 4  # checkpoint of step 2 holds a sync whose merge is pending
         return c
 
     full = train.train_and_evaluate(cfg(6), str(tmp_path / "full"))
@@ -340,3 +354,60 @@ def test_main_default_workdir_names_the_config_and_variant():
     assert main.default_workdir("experiments/configs/digits_mlp.py") == os.path.join(
         "runs", "digits_mlp"
     )
+
+
+def _former_digits_loop(tx, *, steps, model, hidden, split):
+    """experiments.digits' own loop before it ran train.make_train_call: the reference."""
+    from experiments import digits
+
+    n = split.x_train.shape[0]
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    params = digits.init_params(model, jax.random.key(0), hidden=hidden)
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
+
+    def run(state, x, y):
+        params, opt_state = jax.tree.map(lambda a: a[0], state)
+        x, y = x[0], y[0]
+
+        def step(_, carry):
+            params, opt_state = carry
+            grads = jax.grad(digits.loss_fn)(params, x, y)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params, opt_state = jax.lax.fori_loop(0, steps, step, (params, opt_state))
+        return jax.tree.map(lambda a: a[None], (params, opt_state))
+
+    fn = jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    state, x, y = jax.device_put(
+        ((stack(params), stack(tx.init(params))), split.x_train, split.y_train),
+        NamedSharding(mesh, P("data")),
+    )
+    return jax.device_get(fn(state, x, y))
+
+
+@pytest.mark.parametrize("case", ["logreg_topk", "mlp_local_adam", "mlp_powersgd"])
+def test_digits_runs_the_harness_step_bit_for_bit_as_its_former_loop(case, digits_split):
+    """experiments.digits drives train.make_train_call (the one step, batch_size 0: the
+    whole shard); params and optimizer state equal its former fori_loop's, bit for bit."""
+    import jaxcomm
+    from experiments import digits
+
+    model, tx = {
+        "logreg_topk": (
+            "logreg",
+            optax.chain(jaxcomm.topk(0.1, axis_name="data"), optax.sgd(0.5)),
+        ),
+        "mlp_local_adam": ("mlp", jaxcomm.local_sgd(optax.adam(1e-2), every=2, axis_name="data")),
+        "mlp_powersgd": (
+            "mlp",
+            optax.chain(
+                jaxcomm.powersgd(2, key=jax.random.key(0), axis_name="data"), optax.sgd(0.3)
+            ),
+        ),
+    }[case]
+    ref = _former_digits_loop(tx, steps=6, model=model, hidden=32, split=digits_split)
+    res = digits.train_curve(
+        tx, steps=6, eval_every=3, model=model, hidden=32, split=digits_split
+    ).result
+    assert_bit_equal(ref, (res.params, res.opt_state))

@@ -34,8 +34,27 @@ def np_int8(x):
     return (q * scale[:, None]).reshape(-1)[: x.size].astype(np.float32)
 
 
-def np_two_phase(grads_seq, names):
-    """Per step: the mean every worker gets; final worker and server residuals."""
+TAU = np.float32(0.5)  # twobit's threshold in these tests
+
+
+def np_twobit(x, tau=TAU):
+    """The workers' 2-bit rule: +τ where x >= τ, −τ where x <= −τ, else 0."""
+    return np.where(x >= tau, tau, np.where(x <= -tau, -tau, np.float32(0))).astype(np.float32)
+
+
+def np_twobit_server(s):
+    """twobit's server rule on a chunk: a = mean|s| (padding counted), the nearest of {±a, 0}."""
+    a = np.mean(np.abs(s.astype(np.float32)), dtype=np.float32)
+    return np.where(s >= a / 2, a, np.where(s <= -a / 2, -a, np.float32(0))).astype(np.float32)
+
+
+def np_two_phase(grads_seq, names, worker=np_int8, server=None):
+    """Per step: the mean every worker gets; final worker and server residuals.
+
+    ``worker(chunk)``: what a worker's chunk decodes to; ``server(chunk mean +
+    server residual)``: what the owner sends (default: the worker's rule).
+    """
+    server = server or worker
     res = {k: np.zeros((N, PARAMS[k].size), np.float32) for k in names}
     srv = {k: np.zeros((N, PARAMS[k].size), np.float32) for k in names}
     outs = []
@@ -46,13 +65,13 @@ def np_two_phase(grads_seq, names):
             c = -(-d // N)
             p = np.asarray(g[k], np.float32).reshape(N, d) + res[k]
             pad = np.pad(p, ((0, 0), (0, N * c - d))).reshape(N, N, c)  # worker, chunk, c
-            sent = np.stack([[np_int8(pad[w, j]) for j in range(N)] for w in range(N)])
+            sent = np.stack([[worker(pad[w, j]) for j in range(N)] for w in range(N)])
             res[k] = p - sent.reshape(N, N * c)[:, :d]
             means = []
             for j in range(N):  # worker j averages chunk j, adds its server residual
                 s_pad = np.pad(srv[k][j], (0, N * c - d))
                 s = sent[:, j].sum(0) / np.float32(N) + s_pad[j * c : (j + 1) * c]
-                m = np_int8(s)
+                m = server(s)
                 s_pad[j * c : (j + 1) * c] = s - m
                 srv[k][j] = s_pad[:d]
                 means.append(m)
@@ -123,6 +142,127 @@ def test_auto_gathers_on_two_workers_and_goes_two_phase_on_more():
     kinds = lambda n: {c.kind for c in jaxcomm.accounting.wire_report(tx, PARAMS, n)}  # noqa: E731
     assert "all_to_all" not in kinds(2)
     assert "all_to_all" in kinds(4) and "all_to_all" in kinds(8)
+
+
+# --- twobit: the server re-quantises chunk means with a scale of its own -----------------
+
+
+def tx_twobit(mode="two_phase", **kw):
+    return jaxcomm.twobit(float(TAU), axis_name=H.AXIS, min_size=MIN_SIZE, exchange=mode, **kw)
+
+
+def assert_twobit_close(got, want):
+    """Equal up to float rounding, except where a summation order moved a chunk's scale
+    a by an ulp across an entry at exactly ±a/2: at most 0.5% of the entries."""
+    diff = np.abs(np.asarray(got, np.float64).ravel() - np.asarray(want, np.float64).ravel())
+    assert np.mean(diff > 1e-5) <= 0.005, np.sum(diff > 1e-5)
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_twobit_two_phase_matches_numpy_over_steps():
+    """Workers: ±τ codes with their residual; chunk owner: mean + server residual,
+    a = mean|s| over the chunk, the nearest of {−a, 0, a}, server residual s − q."""
+    tx = tx_twobit()
+    grads_seq = [H.per_worker_grads(PARAMS, seed=s) for s in range(3)]
+    ref, res, srv = np_two_phase(grads_seq, ["w", "t"], np_twobit, np_twobit_server)
+    fn, sh = H.sharded(tx)
+    state = jax.device_put(H.stack(tx.init(PARAMS)), sh)
+    for g, want in zip(grads_seq, ref):
+        out, state = fn(jax.device_put(g, sh), state)
+        for k in PARAMS:
+            assert_twobit_close(out[k], want[k])
+    for k in ("w", "t"):
+        assert_twobit_close(state.residual[k], res[k])
+        assert_twobit_close(state.server[k], srv[k])
+    # chunk j's update takes the values {-a_j, 0, a_j}, a_j its own scale (not tau = 0.5)
+    w = np.asarray(out["w"]).ravel()
+    c = -(-w.size // N)
+    scales = [np.abs(w[j * c : (j + 1) * c]).max() for j in range(N)]
+    for j, a in enumerate(scales):
+        np.testing.assert_allclose(np.unique(np.abs(w[j * c : (j + 1) * c])), [0, a], rtol=1e-6)
+    assert 0 < min(scales) and max(scales) < 0.5 and len(set(scales)) == N
+
+
+def test_twobit_one_step_points_along_the_worker_mean():
+    """N(0, 1) gradients, tau = 0.5: a chunk mean is a multiple of tau/8; re-quantised with
+    tau (the old server rule, in NumPy) it moves only where all 8 workers agreed."""
+    params = {"w": jnp.zeros((128, 256))}  # chunks of 4096
+    g = H.per_worker_grads(params, seed=0)
+    gw = np.asarray(g["w"], np.float32).reshape(N, -1)
+    mean = gw.mean(0)
+    s = np_twobit(gw).sum(0) / np.float32(N)  # chunk means (no residuals on the first step)
+    old = np_twobit(s)  # the server re-quantising with the workers' tau
+    c = s.size // N
+    new_np = np.concatenate([np_twobit_server(s[j * c : (j + 1) * c]) for j in range(N)])
+    tx = tx_twobit("auto")
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(params)))
+    new = np.asarray(out["w"]).ravel()
+    assert np.count_nonzero(old) > 0  # the old rule moved a few entries: a real cosine
+    assert cosine(old, mean) < 0.1
+    assert cosine(new, mean) >= 0.3
+    assert_twobit_close(new, new_np)  # and the transform's is the rule's
+
+
+def test_twobit_server_residual_carries_what_was_not_sent():
+    """Step 1: owner j keeps s_1 - q_1 on chunk j (zeros elsewhere). Step 2 quantises the
+    new chunk mean plus that residual; two steps telescope on both sides."""
+    params = {"w": jnp.zeros((30, 50))}  # 1500 entries: chunks of 188, the last padded
+    d, c = 1500, 188
+    tx = tx_twobit()
+    fn, sh = H.sharded(tx)
+    state = jax.device_put(H.stack(tx.init(params)), sh)
+    g1, g2 = (H.per_worker_grads(params, seed=s) for s in (60, 61))
+    gw1, gw2 = (np.asarray(g["w"], np.float32).reshape(N, d) for g in (g1, g2))
+
+    def server(s):  # the owners' rule on the whole (padded) vector
+        pad = np.pad(s, (0, N * c - d))
+        return np.concatenate([np_twobit_server(pad[j * c : (j + 1) * c]) for j in range(N)])[:d]
+
+    out1, state = fn(jax.device_put(g1, sh), state)
+    out1 = np.asarray(out1["w"]).ravel()
+    s1 = np_twobit(gw1).sum(0) / np.float32(N)
+    assert_twobit_close(out1, server(s1))
+    srv1 = np.asarray(state.server["w"]).reshape(N, d)
+    for j in range(N):  # each owner holds only its own chunk's remainder
+        mine = np.zeros(d, bool)
+        mine[j * c : (j + 1) * c] = True
+        assert not np.any(srv1[j][~mine])
+    np.testing.assert_allclose(srv1.sum(0), s1 - out1, atol=1e-6)  # what was not sent
+    assert np.abs(srv1).max() > 0.01
+
+    e1 = gw1 - np_twobit(gw1)
+    out2, state = fn(jax.device_put(g2, sh), state)
+    out2 = np.asarray(out2["w"]).ravel()
+    s2 = np_twobit(gw2 + e1).sum(0) / np.float32(N)
+    assert_twobit_close(out2, server(s2 + srv1.sum(0)))
+    assert np.mean(out2 != server(s2)) > 0.05  # without the residual: another update
+    left = np.asarray(state.residual["w"], np.float64).reshape(N, d).mean(0)
+    srv2 = np.asarray(state.server["w"], np.float64).reshape(N, d).sum(0)
+    total_in = gw1.astype(np.float64).mean(0) + gw2.astype(np.float64).mean(0)
+    np.testing.assert_allclose(out1 + out2 + left + srv2, total_in, atol=1e-5)
+
+
+def test_twobit_two_phase_bytes_analytic_equal_hlo():
+    """Phase one: 2-bit codes; phase two: 2-bit codes + one float32 scale per chunk."""
+    tx = tx_twobit("auto")
+
+    def codes(x):
+        return 4 * math.ceil(x / 16)
+
+    chunks = [-(-d // N) for d in SIZES]
+    two = sum(N * codes(c) + codes(c) + 4 for c in chunks) + DENSE_AND_FLAG
+    assert jaxcomm.wire_bytes(tx, PARAMS, N) == two
+    g = H.per_worker_grads(PARAMS, seed=1)
+    compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(PARAMS)))
+    assert jaxcomm.accounting.collective_bytes(compiled) == two
+    assert "all_to_all" in {c.kind for c in jaxcomm.accounting.hlo_collectives(compiled)}
+    comp = jaxcomm.compressors.sign.TwoBit(0.5)
+    traffic = jaxcomm.accounting.exchange_traffic(comp, [(d, jnp.float32) for d in SIZES], N)
+    assert traffic["two_phase"] == (N - 1) * sum(2 * codes(c) + 4 for c in chunks)
 
 
 # --- exchange="auto", the default: the exchange that moves fewer bytes ------------------
@@ -324,8 +464,9 @@ def test_nan_on_one_worker_reaches_every_worker_and_state_stays():
             exchange=m,
             error_feedback=True,
         ),
+        lambda m: jaxcomm.twobit(0.5, axis_name=H.AXIS, min_size=MIN_SIZE, exchange=m),
     ],
-    ids=["ef_sign", "onebit", "qsgd", "cast_bf16"],
+    ids=["ef_sign", "onebit", "qsgd", "cast_bf16", "twobit"],
 )
 def test_error_feedback_on_both_sides_telescopes(make):
     """Σ outputs + mean worker residual + server residuals = Σ mean gradients.

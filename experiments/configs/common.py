@@ -1,8 +1,17 @@
-"""Defaults shared by every config; each config file overrides what it needs."""
+"""Defaults shared by every config; each config file overrides what it needs.
+
+A config file's ``VARIANTS`` are the methods it runs: the one method registry.
+:func:`optimizer` builds a variant's optimizer, for whatever needs a method by
+name without a training run of :mod:`experiments.train` (the comparison study,
+the notebooks, tests).
+"""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import ml_collections
+import optax
 
 
 def base() -> ml_collections.ConfigDict:
@@ -10,13 +19,19 @@ def base() -> ml_collections.ConfigDict:
     c.seed = 0
     c.n_workers = 0  # 0: every device (8 fake CPU devices here)
     c.model = ml_collections.ConfigDict({"name": "mlp", "kwargs": {}})
+    # batch_size: per worker per step; 0 (classification): the whole shard, in order
     c.data = ml_collections.ConfigDict(
         {"name": "digits", "batch_size": 32, "seq_len": 0, "dir": "", "max_chars": 2**21}
     )
     c.compressor = ml_collections.ConfigDict({"name": "allreduce", "kwargs": {}})
     c.policy = "none"  # "matrices": compressor on >=2-D leaves, dense all-reduce on the rest
-    c.optimizer = ml_collections.ConfigDict({"name": "sgd", "learning_rate": 0.1, "kwargs": {}})
-    c.wrapper = ml_collections.ConfigDict({"name": "none", "every": 1, "warmup_steps": 0})
+    c.optimizer = ml_collections.ConfigDict(
+        {"name": "sgd", "learning_rate": 0.1, "lr_scale": 1.0, "kwargs": {}}
+    )
+    c.wrapper = ml_collections.ConfigDict(
+        # fragments, delay, mix: streaming_diloco's (see jaxcomm.streaming_diloco)
+        {"name": "none", "every": 1, "warmup_steps": 0, "fragments": 1, "delay": 0, "mix": 0.0}
+    )
     c.num_train_steps = 400
     c.steps_per_call = 50  # micro-steps per compiled call (lax.scan)
     c.eval_every = 50
@@ -29,12 +44,46 @@ def base() -> ml_collections.ConfigDict:
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:
-    """Set a config's compressor, policy and wrapper from a ``VARIANTS`` entry.
+    """Set a config's compressor, policy, wrapper (and learning-rate factor) from a variant.
 
-    ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every)}``.
+    ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every)
+    or (name, every, {other wrapper keys}), "lr_scale"?: float}``; ``lr_scale`` multiplies
+    ``optimizer.learning_rate`` (e.g. 0.1 for DGC, which keeps momentum 0.9 itself).
     """
     name, kwargs = variant["compressor"]
     c.compressor.name, c.compressor.kwargs = name, dict(kwargs)
     c.policy = variant.get("policy", "none")
     if "wrapper" in variant:
-        c.wrapper.name, c.wrapper.every = variant["wrapper"]
+        c.wrapper.name, c.wrapper.every, *more = variant["wrapper"]
+        c.wrapper.update(more[0] if more else {})
+    if "lr_scale" in variant:
+        c.optimizer.lr_scale = float(variant["lr_scale"])
+
+
+def variant_config(
+    config_module: ModuleType, variant: str, *, learning_rate: float | None = None
+) -> ml_collections.ConfigDict:
+    """``config_module.get_config(variant)``, its learning rate replaced if given."""
+    c = config_module.get_config(variant)
+    if learning_rate is not None:
+        c.optimizer.learning_rate = learning_rate
+    return c
+
+
+def optimizer(
+    config_module: ModuleType, variant: str, *, learning_rate: float | None = None
+) -> optax.GradientTransformation:
+    """The optimizer of ``config_module``'s variant ``variant``, as training builds it.
+
+    E.g. ``optimizer(digits_compare, "EF-sign", learning_rate=0.3)``: its
+    collectives over axis ``"data"``, its keys from the config's seed
+    (:func:`experiments.train.make_optimizer`).
+    """
+    from experiments import train  # the harness composes; configs only hold values
+
+    return train.make_optimizer(variant_config(config_module, variant, learning_rate=learning_rate))
+
+
+def comm_every(c: ml_collections.ConfigDict) -> int:
+    """Steps per communication of a config's wrapper (1: every step communicates)."""
+    return 1 if c.wrapper.name == "none" else int(c.wrapper.every)

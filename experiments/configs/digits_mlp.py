@@ -4,9 +4,9 @@ Command:
   python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
 Variants (``:NAME`` after the file): dense, dense_leaf, bf16, bf16_words, topk (default),
 threshold, dgc, powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, int8_auto, local_sgd,
-diloco, accumulate, policy. ef_sign, qsgd and int8 pin the all-gather exchange (their
-recorded results); int8_auto is jaxcomm's default (``exchange="auto"``: two-phase on more
-than 2 workers). E.g.
+diloco, streaming_int8, accumulate, policy. ef_sign, qsgd and int8 pin the all-gather
+exchange (their recorded results); int8_auto is jaxcomm's default (``exchange="auto"``:
+two-phase on more than 2 workers). E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
 
 Runtime here (2 CPU cores, 8 fake devices): about 10 s (400 steps, ~150 steps/s
@@ -49,6 +49,10 @@ VARIANTS: dict[str, dict] = {
     "int8_auto": {"compressor": ("int8", {"min_size": 0, "error_feedback": True})},
     "local_sgd": {"compressor": ("allreduce", {}), "wrapper": ("local_sgd", 8)},
     "diloco": {"compressor": ("allreduce", {}), "wrapper": ("diloco", 8)},
+    "streaming_int8": {  # Streaming DiLoCo: 2 fragments, merged a step late, int8 + EF outer
+        "compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "two_phase"}),
+        "wrapper": ("streaming_diloco", 4, {"fragments": 2, "delay": 1, "mix": 0.5}),
+    },
     "accumulate": {
         "compressor": ("topk", {"ratio": 0.01, "min_size": 0}),
         "wrapper": ("accumulate", 2),

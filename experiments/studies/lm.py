@@ -39,7 +39,8 @@ from experiments.studies import runs
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
-METHODS = ["dense", "bf16", "powersgd", "threshold", "ef_sign", "int8_2p", "diloco", "diloco_h1"]
+METHODS = ["dense", "bf16", "powersgd", "threshold", "ef_sign", "int8_2p", "diloco", "diloco_h1",
+           "streaming", "streaming_int8", "streaming_q4"]  # fmt: skip
 
 
 def define_flags() -> None:

@@ -20,8 +20,12 @@ RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/
 OPTIMIZER = {  # what each method's update is, beside the shared AdamW + warm-up/cosine
     "diloco": "AdamW inner, Nesterov outer (H=10)",
     "diloco_h1": "AdamW, Nesterov outer every step",
+    "streaming": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "streaming_int8": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "streaming_q4": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
 }
-COUNTERPART = {"diloco": "diloco_h1"}  # methods that are optimizers: their own dense baseline
+# methods that are optimizers: their own dense baseline
+COUNTERPART = {m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4")}
 
 
 def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:

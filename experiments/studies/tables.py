@@ -48,11 +48,22 @@ def _netstudy() -> str:
     return netstudy.report(_load("netstudy.json"), None)
 
 
-RENDERERS: dict[str, Callable[[], str]] = {"lm_study": _lm_study, "netstudy": _netstudy}
+def _overlap() -> str:
+    from experiments.bench import overlap
+
+    return overlap.report(_load("overlap.json"))
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "lm_study": _lm_study,
+    "netstudy": _netstudy,
+    "overlap": _overlap,
+}
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
+    "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),
 }
 
 

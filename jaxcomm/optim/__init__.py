@@ -1,4 +1,4 @@
-"""Optimizers whose communication is part of the algorithm: 1-bit Adam and 0/1 Adam.
+"""Optimizers whose communication is part of the algorithm: 1-bit Adam, 0/1 Adam and DeMo.
 
 Adam's variance ``v`` cannot be compressed with error feedback (it is not a
 linear function of the gradients), but it becomes stable early in training.
@@ -15,9 +15,22 @@ Both are optax transforms of their own rather than compressors on the
 :func:`jaxcomm.compress` pipeline: what they exchange is Adam's momentum or
 the accumulated local update, on schedules of their own, not the gradient;
 they reuse the pipeline's pieces (the two-phase exchange, buckets, the NaN rule).
+
+DeMo (Peng, Quesnelle, Kingma 2024) never averages the gradient: each worker
+keeps its own momentum, sends only the largest DCT coefficients of each chunk
+of it (subtracting what it sent, so the momentum is its own error feedback),
+and every worker steps by the sign of the decoded mean of what was sent.
 """
 
+from jaxcomm.optim.demo import DeMoState, demo
 from jaxcomm.optim.onebit_adam import OnebitAdamState, onebit_adam
 from jaxcomm.optim.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
-__all__ = ["OnebitAdamState", "ZeroOneAdamState", "onebit_adam", "zero_one_adam"]
+__all__ = [
+    "DeMoState",
+    "OnebitAdamState",
+    "ZeroOneAdamState",
+    "demo",
+    "onebit_adam",
+    "zero_one_adam",
+]

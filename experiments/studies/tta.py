@@ -1,28 +1,180 @@
-"""Time to accuracy: measured compute + modelled communication, as a table, JSON and plot.
+"""Time to accuracy: train a method on digits, then measured compute + modelled communication.
 
-The time axis of the README's main job (``python -m experiments.compare``) and
-of the notebooks: a :class:`experiments.methods.Run` holds the *measured*
-seconds of its compiled training steps on this machine; this module adds the
-*modelled* communication of its ``wire_report`` at a link rate
-(:func:`jaxcomm.netsim.exchange_time`: ring all-reduce / all-gather over the
-run's workers, ``latency_us`` per message, collectives one after another and
-after the compute, no overlap). ``wire`` picks whose bytes are charged:
-``"native"`` (GPU NCCL / TPU: bf16 moves 2 bytes per entry) or ``"xla_cpu"``
-(bf16 all-reduce widened to f32).
+The time axis of the README's main job (``python -m experiments.studies.compare``)
+and of the notebooks in ``colab/``. :func:`run` trains one method (a variant of
+:mod:`experiments.configs.digits_compare`, the method registry, or any
+optimizer) with :func:`experiments.digits.train_curve` and keeps what a time
+axis needs in a :class:`Run`: the accuracy curve, the *measured* seconds of the
+compiled training steps on this machine (compile and evaluation excluded) and
+the transform's :func:`jaxcomm.accounting.wire_report`. :func:`elapsed` /
+:func:`time_to_accuracy` then add the *modelled* communication of that report at
+a link rate (:func:`jaxcomm.netsim.exchange_time`: ring all-reduce / all-gather
+over the run's workers, ``latency_us`` per message, collectives one after
+another and after the compute, no overlap).
+
+Which bytes are charged is the ``wire`` argument: ``"native"`` is what the
+algorithm sends, which is what GPU (NCCL) and TPU move (bf16: 2 bytes per
+entry); ``"xla_cpu"`` widens 16-bit float all-reduces to 4 bytes per entry, as
+XLA:CPU does (see :mod:`jaxcomm.accounting`). Measured multi-process runs over
+shaped links are ``experiments/studies/netstudy.py``'s.
 
 Example:
-  >>> runs = [methods.run(m, split=split, steps=200, eval_every=20, lr=0.3)
+  >>> split = digits.label_skewed(digits.load(8))
+  >>> runs = [run(m, split=split, steps=200, eval_every=20, lr=0.3)
   ...         for m in ("dense fp32", "EF-sign")]
+  >>> time_to_accuracy(runs[1], 0.95, gbps=1.0)
   >>> print(summary(runs, target=0.95, gbps=[0.1, 1, 10, 100], latency_us=10, wire="native"))
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from experiments.methods import Run, moved
+import jax
+import numpy as np
+import optax
+
+import jaxcomm
+from experiments import digits, train
+from experiments.configs import common, digits_compare
 from jaxcomm import netsim
+
+WIRES = ("native", "xla_cpu")
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run of one method on digits, with what a time axis needs.
+
+    Attributes:
+      method: the label.
+      steps: step count after each evaluation.
+      accuracy: test accuracy (worker 0's params) at those steps.
+      train_s: measured seconds of compiled training up to those steps
+        (compile and evaluation excluded; every worker's compute, encode,
+        decode and in-memory exchange on this machine).
+      train_loss: final training loss (mean over workers' shards).
+      report: one communicating step's collectives (``wire_report``).
+      comm_every: the method communicates on one step in this many.
+      n_workers: workers (mesh size).
+    """
+
+    method: str
+    steps: list[int]
+    accuracy: list[float]
+    train_s: list[float]
+    train_loss: float
+    report: list[Any]
+    comm_every: int
+    n_workers: int
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.accuracy[-1]
+
+    @property
+    def compute_s_per_step(self) -> float:
+        """Measured seconds per step: the median over chunks of chunk time / chunk steps.
+
+        The median (not the total) so that a chunk slowed by something else
+        running on the machine does not shift a method's whole time axis.
+        """
+        times = np.diff([0.0, *self.train_s])
+        steps = np.diff([0, *self.steps])
+        return float(np.median(times / steps))
+
+    def bytes_per_step(self, wire: str = "native") -> float:
+        """Operand bytes one worker contributes per step (averaged over sync rounds)."""
+        return sum(c.nbytes for c in moved(self.report, wire)) / self.comm_every
+
+    def traffic_per_step(self, wire: str = "native") -> float:
+        """Bytes one worker sends per step with ring all-reduce / all-gather."""
+        report = moved(self.report, wire)
+        return jaxcomm.accounting.traffic_bytes(report, self.n_workers) / self.comm_every
+
+
+def run(
+    method: str,
+    *,
+    split: digits.Split,
+    steps: int,
+    eval_every: int,
+    lr: float,
+    model: str = "mlp",
+    hidden: int = 64,
+    tx: optax.GradientTransformation | None = None,
+    comm_every: int | None = None,
+    on_chunk: Callable[[int, float], None] | None = None,
+) -> Run:
+    """Train ``method`` (a :mod:`~experiments.configs.digits_compare` variant, or any label
+    with ``tx`` given) on digits.
+
+    Args:
+      method: label; a variant of :data:`experiments.configs.digits_compare.VARIANTS`
+        unless ``tx`` is given.
+      split: the data (:func:`experiments.digits.load`); its leading axis is
+        the number of workers.
+      steps: training steps (full local shard each), a multiple of ``eval_every``.
+      eval_every: steps between test evaluations.
+      lr: the variant's learning rate (:func:`experiments.configs.common.optimizer`).
+      model: ``"mlp"`` or ``"logreg"``.
+      hidden: MLP hidden width.
+      tx: an optimizer to use instead of the variant's (its collectives over
+        axis ``"data"``).
+      comm_every: steps per communication (default: the variant's wrapper, or 1).
+      on_chunk: called with ``(step, accuracy)`` after each evaluation.
+
+    Returns:
+      A :class:`Run`.
+    """
+    every = 1
+    if tx is None:
+        if method not in digits_compare.VARIANTS:
+            raise ValueError(
+                f"method: unknown {method!r}; choose from {sorted(digits_compare.VARIANTS)}"
+            )
+        config = common.variant_config(digits_compare, method, learning_rate=lr)
+        tx, every = train.make_optimizer(config), common.comm_every(config)
+    n = split.x_train.shape[0]
+    curve = digits.train_curve(
+        tx,
+        steps=steps,
+        eval_every=eval_every,
+        model=model,
+        hidden=hidden,
+        n_workers=n,
+        split=split,
+        on_chunk=on_chunk,
+    )
+    params = digits.init_params(model, jax.random.key(0), hidden=hidden)
+    return Run(
+        method=method,
+        steps=list(curve.steps),
+        accuracy=list(curve.accuracy),
+        train_s=list(curve.train_s),
+        train_loss=curve.result.train_loss,
+        # the bytes GPU/TPU move ("native"); moved(..., "xla_cpu") widens them
+        report=jaxcomm.accounting.wire_report(tx, params, n, backend="gpu"),
+        comm_every=comm_every or every,
+        n_workers=n,
+    )
+
+
+def moved(report: Sequence[Any], wire: str = "native") -> list[Any]:
+    """The collectives as the backend moves them (``"xla_cpu"``: 16-bit float all-reduce -> f32)."""
+    if wire not in WIRES:
+        raise ValueError(f"wire: expected one of {WIRES}, got {wire!r}")
+    if wire == "native":
+        return list(report)
+    return [
+        c._replace(nbytes=2 * c.nbytes)
+        if c.kind == "all_reduce" and str(c.dtype) in ("bfloat16", "float16")
+        else c
+        for c in report
+    ]
 
 
 def link(gbps: float, latency_us: float = 10.0) -> netsim.Link:

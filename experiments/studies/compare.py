@@ -2,7 +2,8 @@ r"""Compare gradient compressors on real data: accuracy, bytes, and time to accu
 
 Trains the same MLP (256 hidden units) on scikit-learn's digits across 8
 simulated workers (8 fake CPU devices; real devices unchanged) with each
-method, then prints one table: final test accuracy and training loss, bytes
+method (a variant of ``experiments/configs/digits_compare.py``, the method
+registry: add a method there), then prints one table: final test accuracy and training loss, bytes
 each worker sends per step, compression vs dense fp32, the measured compute
 per step, and the time to reach the target (dense fp32's final accuracy
 minus 1 point) on an 8-worker ring at each link rate.
@@ -32,11 +33,11 @@ The baseline is dense all-reduce in fp32 and in bf16. Measured (not modelled)
 multi-process runs over shaped links: ``python -m experiments.studies.netstudy``.
 
 Command (the README's main job; ~1 minute on 2 CPU cores, 1.5 on a busy machine):
-  python -m experiments.compare
+  python -m experiments.studies.compare
 Longer run (1000 steps, MLP 512):
-  python -m experiments.compare --noquick
+  python -m experiments.studies.compare --noquick
 Faster look (fewer methods / steps):
-  python -m experiments.compare --methods="dense fp32,EF-sign,sign no EF" --steps=200
+  python -m experiments.studies.compare --methods="dense fp32,EF-sign,sign no EF" --steps=200
 
 Expected (defaults, measured here): dense fp32 and bf16 97.1% test accuracy
 (target 96.1%); EF-sign 97.1% (training loss 0.009), sign without EF 95.8%
@@ -62,7 +63,9 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from experiments import digits, methods, tta
+from experiments import digits
+from experiments.configs import digits_compare
+from experiments.studies import tta
 
 DEFAULT_METHODS = [
     "dense fp32",
@@ -88,21 +91,25 @@ flags.DEFINE_integer("hidden", None, "MLP hidden width; default per preset")
 flags.DEFINE_integer("eval_every", 20, "evaluate every this many steps (time-to-accuracy)")
 flags.DEFINE_float("target_drop", 0.01, "target accuracy = dense fp32's final accuracy - this")
 flags.DEFINE_float("lr", 0.5, "SGD learning rate, the same for every method")
-flags.DEFINE_list("methods", DEFAULT_METHODS, f"which methods to run, of {list(methods.METHODS)}")
+flags.DEFINE_list(
+    "methods",
+    DEFAULT_METHODS,
+    f"which methods to run: digits_compare variants, of {list(digits_compare.VARIANTS)}",
+)
 flags.DEFINE_list("gbps", ["0.01", "0.1", "1", "10"], "link rates (Gbit/s) for the time axis")
 flags.DEFINE_float("latency_us", 10.0, "per-message latency of the modelled link")
-flags.DEFINE_enum(
-    "wire", "native", list(methods.WIRES), "bytes charged: native (GPU/TPU) or xla_cpu"
-)
+flags.DEFINE_enum("wire", "native", list(tta.WIRES), "bytes charged: native (GPU/TPU) or xla_cpu")
 flags.DEFINE_string("workdir", "compare_out", "where compare.json and compare.png go")
 flags.DEFINE_bool("progress", True, "show a progress bar (stderr)")
 
 
 def main(argv: Sequence[str]) -> None:
     del argv
-    unknown = [m for m in FLAGS.methods if m not in methods.METHODS]
+    unknown = [m for m in FLAGS.methods if m not in digits_compare.VARIANTS]
     if unknown:
-        raise app.UsageError(f"--methods: unknown {unknown}; choose from {list(methods.METHODS)}")
+        raise app.UsageError(
+            f"--methods: unknown {unknown}; choose from {list(digits_compare.VARIANTS)}"
+        )
     FLAGS.steps = FLAGS.steps or (400 if FLAGS.quick else 1000)
     FLAGS.hidden = FLAGS.hidden or (256 if FLAGS.quick else 512)
     if FLAGS.steps % FLAGS.eval_every:
@@ -110,7 +117,7 @@ def main(argv: Sequence[str]) -> None:
     gbps = [float(g) for g in FLAGS.gbps]
     split = digits.load(8)
     if FLAGS.shards == "skewed":
-        split = methods.label_skewed(split)
+        split = digits.label_skewed(split)
     import jax
 
     params = digits.init_params(FLAGS.model, jax.random.key(0), hidden=FLAGS.hidden)
@@ -140,7 +147,7 @@ def main(argv: Sequence[str]) -> None:
             last[0] = step
 
         runs.append(
-            methods.run(
+            tta.run(
                 m,
                 split=split,
                 steps=FLAGS.steps,

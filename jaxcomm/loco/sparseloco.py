@@ -1,0 +1,295 @@
+"""SparseLoCo: DiLoCo whose outer momentum is a decayed error-feedback buffer, sent top-k and 2-bit.
+
+Every worker runs the inner optimizer for ``every`` steps. At a
+synchronisation each worker forms its pseudo-gradient ``delta = anchor -
+local params``, folds it into its error buffer ``e = beta·e + delta``, and
+sends ``c = Q(TopK(e))``: per chunk of ``chunk`` entries the ``topk``
+largest-magnitude entries, their values quantised to ``bits`` bits with a
+per-chunk scale. ``e -= c`` keeps what was not sent. The workers' ``c`` are
+all-gathered and averaged, and the anchor (the shared model) takes a plain
+step ``anchor -= outer_learning_rate · mean(c)``; every worker adopts it.
+
+The codec (one ``(nc, chunk)`` block per leaf, ``nc = ceil(d / chunk)``):
+
+* indices within the chunk, ``ceil(log2(chunk))`` bits each, packed;
+* codes ``q`` in ``[0, L]`` (``L = 2**bits - 1``), packed: a value ``v`` of a
+  chunk whose largest kept magnitude is ``s`` gets ``q = round((v/s + 1)·L/2)``
+  and is decoded as ``s·(2q - L)/L`` (uniform symmetric levels on ``[-s, s]``;
+  for 2 bits: ``±s, ±s/3``);
+* the scales ``s``, float32, one per chunk.
+
+All of a worker's payload (every leaf) travels as one uint32 buffer in one
+all-gather per synchronisation.
+"""
+
+import itertools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxcomm import collectives, core, exchange, sync
+from jaxcomm.compressors import packing
+from jaxcomm.exchange import AxisName
+
+__all__ = ["SparseLoCoState", "sparseloco", "sparseloco_sync_bytes"]
+
+
+class SparseLoCoState(NamedTuple):
+    """State of :func:`sparseloco`.
+
+    Attributes:
+      count: int32 ``[]``, inner steps made (saturates at the int32 maximum).
+      local_steps: int32 ``[]``, inner steps since the last synchronisation,
+        in ``[0, every)``.
+      syncs: int32 ``[]``, synchronisations (outer steps) executed.
+      inner_state: state of the inner optimizer (kept across rounds).
+      anchor: the shared params after the last outer step (params' tree and
+        dtypes; one model copy).
+      error: the worker's error-feedback buffer ``e`` (params' tree and shapes;
+        float32 for 16-bit params unless ``state_dtype`` says otherwise; one
+        model copy). It replaces DiLoCo's outer momentum.
+    """
+
+    count: jax.Array
+    local_steps: jax.Array
+    syncs: jax.Array
+    inner_state: Any
+    anchor: Any
+    error: Any
+
+
+class _Layout(NamedTuple):
+    """Static codec layout of one leaf of ``d`` entries."""
+
+    d: int
+    chunk: int  # entries per chunk: min(chunk, d)
+    nc: int  # chunks (the last one zero-padded)
+    k: int  # entries kept per chunk
+    index_bits: int
+    bits: int
+
+    @property
+    def words(self) -> tuple[int, int, int]:
+        """uint32 words of the packed indices, the packed codes and the scales."""
+        n = self.nc * self.k
+        return (
+            packing.packed_size(n, self.index_bits),
+            packing.packed_size(n, self.bits),
+            self.nc,
+        )
+
+
+def _layout(d: int, chunk: int, topk: int, bits: int) -> _Layout:
+    """A leaf smaller than one chunk is one chunk, keeping about the same density."""
+    c = min(chunk, d)
+    k = topk if c == chunk else max(1, math.ceil(topk * c / chunk))
+    return _Layout(d, c, math.ceil(d / c), k, packing.field_bits(c - 1), bits)
+
+
+def _encode(e: jax.Array, lay: _Layout) -> jax.Array:
+    """The worker's payload for flat ``e``: one uint32 vector of ``sum(lay.words)`` words."""
+    x = jnp.pad(e.astype(jnp.float32), (0, lay.nc * lay.chunk - lay.d)).reshape(lay.nc, lay.chunk)
+    _, idx = lax.top_k(jnp.abs(x), lay.k)  # NaN/Inf rank first: they reach the scale
+    vals = jnp.take_along_axis(x, idx, axis=1)
+    scale = jnp.max(jnp.abs(vals), axis=1)
+    levels = 2**lay.bits - 1
+    safe = jnp.where(scale == 0, 1.0, scale)[:, None]
+    code = jnp.clip(jnp.round((vals / safe + 1) * (levels / 2)), 0, levels)
+    return jnp.concatenate(
+        [
+            packing.pack(idx.reshape(-1), lay.index_bits),
+            packing.pack(code.astype(jnp.uint32).reshape(-1), lay.bits),
+            lax.bitcast_convert_type(scale, jnp.uint32),
+        ]
+    )
+
+
+def _decode_mean(words: jax.Array, lay: _Layout) -> jax.Array:
+    """Mean over the leading (worker) axis of the decoded payloads: flat float32 ``(d,)``."""
+    n = words.shape[0]
+    wi, wc, _ = lay.words
+    idx = packing.unpack(words[:, :wi], lay.index_bits, lay.nc * lay.k)
+    code = packing.unpack(words[:, wi : wi + wc], lay.bits, lay.nc * lay.k).astype(jnp.float32)
+    scale = lax.bitcast_convert_type(words[:, wi + wc :], jnp.float32)
+    levels = 2**lay.bits - 1
+    code = code.reshape(n, lay.nc, lay.k)
+    vals = scale[:, :, None] * ((2 * code - levels) / levels)
+    rows = jnp.broadcast_to(jnp.arange(lay.nc)[None, :, None], vals.shape)
+    dense = jnp.zeros((lay.nc, lay.chunk), jnp.float32)
+    dense = dense.at[rows, idx.reshape(vals.shape).astype(jnp.int32)].add(vals)
+    return (dense / n).reshape(-1)[: lay.d]
+
+
+def _outer_step(anchor, error, local, layouts, beta, alpha, axis_name):
+    """EF update, encode, exchange, decode: the new anchor and error buffer (leaf lists)."""
+    es = [beta * e + (a - x).astype(e.dtype) for a, e, x in zip(anchor, error, local, strict=True)]
+    payloads = [_encode(e.reshape(-1), lay) for e, lay in zip(es, layouts)]
+    sizes = [p.shape[0] for p in payloads]
+    own = jnp.concatenate(payloads)
+    gathered = own[None] if axis_name is None else collectives.all_gather(own, axis_name)
+    offsets = [0, *itertools.accumulate(sizes)]
+    new_anchor, new_error = [], []
+    for i, (a, e, lay) in enumerate(zip(anchor, es, layouts)):
+        lo, hi = offsets[i], offsets[i + 1]
+        sent = _decode_mean(own[None, lo:hi], lay).reshape(e.shape)
+        mean = sent if axis_name is None else _decode_mean(gathered[:, lo:hi], lay)
+        new_error.append(e - sent.astype(e.dtype))
+        step = a.astype(jnp.float32) - alpha * mean.reshape(a.shape)
+        new_anchor.append(step.astype(a.dtype))
+    return new_anchor, new_error
+
+
+def _check_options(every, outer_learning_rate, error_decay, chunk, topk, bits):
+    every = core.check_int(every, "every", 1)
+    alpha = core.check_positive(outer_learning_rate, "outer_learning_rate")
+    if isinstance(error_decay, bool) or not isinstance(error_decay, (int, float)):
+        raise TypeError(f"error_decay: expected a float in [0, 1], got {error_decay!r}")
+    if not 0.0 <= float(error_decay) <= 1.0:
+        raise ValueError(f"error_decay: expected a float in [0, 1], got {error_decay}")
+    chunk = core.check_int(chunk, "chunk", 1)
+    topk = core.check_int(topk, "topk", 1, chunk)
+    bits = core.check_int(bits, "bits", 1, 16)
+    return every, alpha, float(error_decay), chunk, topk, bits
+
+
+def sparseloco_sync_bytes(params: Any, *, chunk: int = 4096, topk: int = 64, bits: int = 2) -> int:
+    """Bytes one worker contributes to the all-gather of one synchronisation.
+
+    ``4 · sum over leaves of (ceil(nc·k·index_bits/32) + ceil(nc·k·bits/32) +
+    nc)``: packed indices, packed codes and one float32 scale per chunk. It is
+    what :func:`jaxcomm.wire_bytes` reports for a :func:`sparseloco` step (a
+    step that synchronises); the mean per inner step is this divided by
+    ``every``.
+    """
+    leaves = jax.tree.leaves(params)
+    return 4 * sum(sum(_layout(math.prod(jnp.shape(p)), chunk, topk, bits).words) for p in leaves)
+
+
+def sparseloco(
+    inner: optax.GradientTransformation,
+    *,
+    every: int,
+    axis_name: AxisName | None,
+    outer_learning_rate: float = 1.0,
+    error_decay: float = 0.95,
+    chunk: int = 4096,
+    topk: int = 64,
+    bits: int = 2,
+    state_dtype: Any = None,
+) -> optax.GradientTransformation:
+    """SparseLoCo: local steps, then a top-k, 2-bit, error-feedback-compressed outer step.
+
+    Each worker runs ``inner`` on its own params. On every ``every``-th step
+    (as :func:`jaxcomm.diloco`) it forms ``delta = anchor - (params + u)``,
+    updates its error buffer ``e = error_decay·e + delta``, sends
+    ``c = Q(TopK(e))`` (see the module docstring for the codec) and keeps
+    ``e -= c``. The mean of the workers' ``c`` moves the anchor,
+    ``anchor -= outer_learning_rate·mean(c)``, and the step returns
+    ``anchor - params``: every worker adopts the anchor. There is no outer
+    momentum: the decayed error buffer stands in for it. The inner state and
+    the error buffer are per worker and kept across rounds.
+
+    Wire per synchronisation and worker: :func:`sparseloco_sync_bytes`
+    (one all-gather); other steps send nothing. Params must be kept per
+    worker (see :mod:`jaxcomm.sync`). Non-finite pseudo-gradients: a NaN/Inf
+    is always among the kept entries, so it reaches its chunk's scale and
+    every worker's anchor (the NaN rule); the error buffer holds it too, so
+    wrap the transform in :func:`jaxcomm.skip_nonfinite` to skip such steps.
+
+    Args:
+      inner: the inner (local) optimizer, e.g. ``optax.adamw(1e-3)``.
+      every: inner steps per synchronisation (H in the paper), an int >= 1.
+      axis_name: mesh axis to average over; ``None``: a single worker (the
+        compression still runs).
+      outer_learning_rate: ``alpha``, a float > 0.
+      error_decay: ``beta``, the decay of the error buffer, in [0, 1].
+      chunk: entries per chunk, an int >= 1 (a leaf smaller than ``chunk`` is
+        one chunk; the last chunk of a leaf is zero-padded).
+      topk: entries kept per chunk, an int in [1, chunk] (a leaf of ``d <
+        chunk`` entries keeps ``max(1, ceil(topk·d/chunk))``).
+      bits: bits per kept value, an int in [1, 16].
+      state_dtype: dtype of the error buffer (``None``: float32 for 16-bit
+        params, the params' dtype otherwise).
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`SparseLoCoState`; its
+      ``update`` requires ``params``. Updates keep the params' dtypes.
+
+    Example:
+      >>> tx = jaxcomm.sparseloco(optax.adamw(1e-3), every=30, axis_name="data")
+
+    References:
+      Sarfi, Thérien, Lidin & Belilovsky, "Communication Efficient LLM
+      Pre-training with SparseLoCo", 2025, arXiv:2508.15706. Douillard et
+      al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", 2023, arXiv:2311.08105.
+    """
+    inner = sync.check_tx(inner, "inner")
+    every, alpha, beta, chunk, topk, bits = _check_options(
+        every, outer_learning_rate, error_decay, chunk, topk, bits
+    )
+    axis_name = exchange.check_axis_name(axis_name)
+    state_dtype = core.check_state_dtype(state_dtype)
+
+    def init_fn(params):
+        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+        zero = jnp.zeros((), jnp.int32)
+        return SparseLoCoState(
+            count=zero,
+            local_steps=zero,
+            syncs=zero,
+            inner_state=inner.init(params),
+            anchor=jax.tree.map(jnp.asarray, params),
+            error=jax.tree.map(
+                lambda p: jnp.zeros(
+                    jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
+                ),
+                params,
+            ),
+        )
+
+    def update_fn(updates, state, params=None):
+        sync.require_params(params, "sparseloco")
+        sync.check_state(state, SparseLoCoState, "sparseloco")
+        exchange.check_per_worker(updates, axis_name)
+        u, inner_state = inner.update(updates, state.inner_state, params)
+        treedef = jax.tree.structure(params)
+        layouts = [
+            _layout(math.prod(jnp.shape(p)), chunk, topk, bits) for p in jax.tree.leaves(params)
+        ]
+
+        def outer(u, params, anchor, error, syncs):
+            local = jax.tree.leaves(sync.add_updates(params, u))
+            leaves = jax.tree.leaves
+            new_anchor, new_error = _outer_step(
+                leaves(anchor), leaves(error), local, layouts, beta, alpha, axis_name
+            )
+            anchor, error = treedef.unflatten(new_anchor), treedef.unflatten(new_error)
+            return (
+                sync.updates_to(anchor, params, u),
+                anchor,
+                error,
+                optax.safe_int32_increment(syncs),
+            )
+
+        def stay(u, params, anchor, error, syncs):
+            return u, anchor, error, syncs
+
+        is_sync = state.local_steps >= every - 1
+        u, anchor, error, syncs = sync.typed_cond(
+            is_sync, outer, stay, u, params, state.anchor, state.error, state.syncs
+        )
+        return u, SparseLoCoState(
+            count=optax.safe_int32_increment(state.count),
+            local_steps=jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32),
+            syncs=syncs,
+            inner_state=inner_state,
+            anchor=anchor,
+            error=error,
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
