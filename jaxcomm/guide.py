@@ -1024,9 +1024,14 @@ top-k break-even, measured against predicted step times from
                        powersgd.py
       sync.py          accumulate, local_sgd, diloco, delayed_averaging, stale,
                        skip_nonfinite
-      optim/           onebit_adam.py (1-bit Adam), zero_one_adam.py (0/1 Adam)
+      loco/            the DiLoCo family: streaming.py (streaming_diloco, the
+                       StreamingDiLoCo rule), overlap.py (Overlap: exchanges in a host
+                       thread), sparseloco.py, muloco.py
+      optim/           onebit_adam.py (1-bit Adam), zero_one_adam.py (0/1 Adam),
+                       demo.py (DeMo)
       accounting.py    wire_bytes / wire_report / traffic_bytes; collective bytes in HLO
       netsim.py        alpha-beta cost model, step-time model, what-if analysis
+      calibrate.py     per-kind alpha/beta measured on the user's mesh
       distributed.py   jax.distributed start-up, global mesh, per-process data
       parallel.py      data_parallel / init_state: the data-parallel step helper
       flax.py          the same for flax nnx (imports flax; optional)
@@ -1034,7 +1039,8 @@ top-k break-even, measured against predicted step times from
     experiments/       main.py + train.py (the harness) + configs/ (their variants are the
                        method registry); digits.py (train.py's step on digits, any tx);
                        examples/ (nnx and linen loops); bench/ (benchmarks: timings,
-                       threshold_fill, whatif, sync_sweep, torch_peers: PyTorch DDP twins);
+                       threshold_fill, whatif, sync_sweep, overlap, torch_peers: PyTorch
+                       DDP twins);
                        launch.py, netlab/ (real processes, shaped links); studies/ (the
                        comparison job and its time axis, the LM study, the MLP netstudy,
                        verdict rules, generated tables); results/ (the JSON behind every
