@@ -127,7 +127,7 @@ def _round(kind, inner, x, exchange, frag):
     return times, time.perf_counter() - t0
 
 
-def _mlp_step(tx, axis_name):
+def _mlp_step(tx):
     """One worker's inner step of a tanh MLP on a fixed batch: (params, state, x) -> ..."""
     import jax
     import jax.numpy as jnp
@@ -211,7 +211,7 @@ def streaming_rows(mesh) -> dict:
     for kind in ("no_exchange", "in_step", "overlap"):
         tx = {"no_exchange": optax.sgd(0.01), "in_step": rule.transform(),
               "overlap": rule.transform(overlap=True)}[kind]  # fmt: skip
-        fn, ov = _per_worker(mesh, _mlp_step(tx, "data")), Overlap(rule, mesh)
+        fn, ov = _per_worker(mesh, _mlp_step(tx)), Overlap(rule, mesh)
 
         def run(p, s, fn=fn, ov=ov, kind=kind):
             return ov.step(fn, p, s, x) if kind == "overlap" else fn(p, s, x)

@@ -136,8 +136,9 @@ class Overlap:
     def _start(self, f: int, params: Any, opt_state: Any) -> None:
         state = _state(opt_state)
         m = self.rule.members(self._worker_params(params))[f]
-        local = [jax.tree.leaves(params)[j] for j in m]
-        anchor = [jax.tree.leaves(state.anchor)[j] for j in m]
+        params_leaves, anchor_leaves = jax.tree.leaves(params), jax.tree.leaves(state.anchor)
+        local = [params_leaves[j] for j in m]
+        anchor = [anchor_leaves[j] for j in m]
         args = (local, anchor, state.outer_state[f], state.compressor_state[f])
         box: list = []
         program = self._program(f)
