@@ -65,9 +65,13 @@ COMPRESSORS = (
     "dgc_sgd",
     "powersgd",
 )
-OPTIMIZERS = ("sgd", "adam", "adamw")
-WRAPPERS = ("none", "accumulate", "local_sgd", "diloco", "streaming_diloco")
-PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco")  # per-worker params
+# optax's, optax.contrib's Muon (MuLoCo's inner optimizer under wrapper "diloco") and
+# jaxcomm.demo (DeMo communicates itself: compressor "allreduce", wrapper "none")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "demo")
+WRAPPERS = ("none", "accumulate", "local_sgd", "diloco", "streaming_diloco", "sparseloco")
+PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco", "sparseloco")  # per-worker params
+# wrapper keys passed to jaxcomm.sparseloco (as its keyword arguments)
+SPARSELOCO_KEYS = ("outer_learning_rate", "error_decay", "chunk", "topk", "bits")
 POLICIES = ("none", "matrices")
 
 
@@ -127,14 +131,17 @@ def _factory_kwargs(factory: Callable, kwargs: dict, seed: int) -> dict:
 SCHEDULES = ("constant", "warmup_cosine")
 
 
-def learning_rate(config: ml_collections.ConfigDict) -> float | optax.Schedule:
+def learning_rate(
+    config: ml_collections.ConfigDict, peak: float | None = None
+) -> float | optax.Schedule:
     """``config.optimizer.learning_rate`` x ``lr_scale``, shaped by ``optimizer.schedule`` if set.
 
     ``schedule.name="warmup_cosine"``: linear warm-up from 0 over
     ``schedule.warmup_steps``, then cosine decay to ``schedule.end_factor`` x the
     peak at ``config.num_train_steps`` (one schedule for every method of a study).
+    ``peak``: another peak on the same schedule (Muon's Adam learning rate).
     """
-    lr = config.optimizer.learning_rate
+    lr = config.optimizer.learning_rate if peak is None else peak
     scale = config.optimizer.get("lr_scale", 1.0)
     if scale != 1.0:
         lr = lr * scale
@@ -162,8 +169,22 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
     lr = learning_rate(config)
     opt_kwargs = dict(config.optimizer.get("kwargs", {}))
     comp_kwargs = dict(config.compressor.get("kwargs", {}))
+    if opt_name == "demo":
+        if comp_name != "allreduce" or wrapper != "none" or policy != "none":
+            raise ValueError(
+                "config.optimizer.name: 'demo' exchanges its own compressed momentum; use "
+                "compressor.name='allreduce', wrapper.name='none', policy='none'"
+            )
+        try:
+            return jaxcomm.demo(lr, axis_name=AXIS, **opt_kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config.optimizer: bad value for 'demo': {e}") from None
+    if opt_name == "muon" and "adam_learning_rate" in opt_kwargs:
+        # a peak on the run's schedule, so the non-matrix leaves' Adam warms up and decays too
+        opt_kwargs["adam_learning_rate"] = learning_rate(config, opt_kwargs["adam_learning_rate"])
     try:
-        opt = getattr(optax, opt_name)(lr, **opt_kwargs)
+        family = optax.contrib if opt_name == "muon" else optax
+        opt = getattr(family, opt_name)(lr, **opt_kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.optimizer: bad value for {opt_name!r}: {e}") from None
     if comp_name in ("dgc", "dgc_sgd"):
@@ -201,6 +222,17 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                 opt, every=every, fragments=w.get("fragments", 1), delay=w.get("delay", 0),
                 mix=w.get("mix", 0.0), axis_name=AXIS, compressor=local_comp,
             )  # fmt: skip
+        if wrapper == "sparseloco":
+            if comp_name != "allreduce":
+                raise ValueError(
+                    "config.compressor.name: SparseLoCo compresses its outer gradient itself "
+                    "(wrapper keys topk, chunk, bits); use 'allreduce'"
+                )
+            kw = {k: config.wrapper[k] for k in SPARSELOCO_KEYS if k in config.wrapper}
+            try:
+                return jaxcomm.sparseloco(opt, every=every, axis_name=AXIS, **kw)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"config.wrapper: bad value for 'sparseloco': {e}") from None
         if wrapper == "local_sgd":
             warm = _positive_int(config.wrapper.get("warmup_steps", 0), "wrapper.warmup_steps", 0)
             return jaxcomm.local_sgd(

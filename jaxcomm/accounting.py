@@ -208,18 +208,14 @@ def traffic_bytes(collectives: list[Collective], n_workers: int) -> float:
     return sum(factor[c.kind] * c.nbytes for c in collectives)
 
 
-def payload_bytes(compressor: Any, d: int, dtype: Any) -> int:
+def payload_bytes(compressor: Any, d: int, dtype: Any, n_workers: int = 1) -> int:
     """Bytes of the payload ``compressor`` encodes a ``(d,)`` vector of ``dtype`` into.
 
-    The sizes of the arrays :meth:`jaxcomm.Compressor.encode` returns (traced
-    abstractly, nothing computed): per-bucket scales and word padding
-    included, exactly what the all-gather buckets carry.
+    ``compressor.wire_size(d, dtype, n_workers)``, the one payload size
+    (:meth:`jaxcomm.Compressor.wire_size`): by default the sizes of the arrays
+    ``encode`` returns, per-bucket scales and word padding included.
     """
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32) if compressor.needs_key else None
-    out = jax.eval_shape(
-        lambda x, k: tuple(compressor.encode(x, k)[0]), jax.ShapeDtypeStruct((d,), dtype), key
-    )
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in out)
+    return int(compressor.wire_size(d, dtype, n_workers))
 
 
 def exchange_traffic(
@@ -258,7 +254,7 @@ def exchange_traffic(
     def s(d, dtype, codec=compressor):
         k = (id(codec), d, jnp.dtype(dtype).name)
         if k not in sizes:
-            sizes[k] = payload_bytes(codec, d, dtype)
+            sizes[k] = payload_bytes(codec, d, dtype, n)
         return sizes[k]
 
     gather, two = [], []

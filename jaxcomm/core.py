@@ -71,8 +71,11 @@ class Compressor(Protocol):
         """``p - decode(own payload)``, the error-feedback memory update."""
         ...
 
-    def wire_size(self, d: int, dtype: Any) -> int:
-        """Bytes of the payload one worker contributes for a vector of ``d``."""
+    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
+        """Bytes of the payload one worker contributes for a vector of ``d`` entries of
+        ``dtype`` on an axis of ``n_workers``: the one payload size the library uses
+        (:func:`jaxcomm.accounting.payload_bytes`, the wire ledger, ``exchange="auto"``).
+        :class:`CompressorBase`'s default is the size of the arrays ``encode`` returns."""
         ...
 
     # Optional hooks: jaxcomm.core.CompressorBase gives each a default (derive from it).
@@ -148,6 +151,18 @@ class CompressorBase:
 
     def server_codec(self) -> "CompressorBase":
         return self
+
+    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
+        """The arrays ``encode`` returns for a ``(d,)`` vector (traced, nothing computed).
+
+        Codecs whose wire differs from their encoded arrays override it: psum
+        words a backend widens (bf16 sums move 4 bytes on XLA:CPU), fields
+        sized by the number of workers (TernGrad, majority vote).
+        """
+        key = jax.ShapeDtypeStruct((2,), jnp.uint32) if self.needs_key else None
+        x = jax.ShapeDtypeStruct((d,), dtype)
+        out = jax.eval_shape(lambda x, k: tuple(self.encode(x, k)[0]), x, key)
+        return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in out)
 
 
 class CompressState(NamedTuple):

@@ -47,8 +47,10 @@ def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:
     """Set a config's compressor, policy, wrapper (and learning-rate factor) from a variant.
 
     ``variant``: ``{"compressor": (name, kwargs), "policy"?: str, "wrapper"?: (name, every)
-    or (name, every, {other wrapper keys}), "lr_scale"?: float}``; ``lr_scale`` multiplies
-    ``optimizer.learning_rate`` (e.g. 0.1 for DGC, which keeps momentum 0.9 itself).
+    or (name, every, {other wrapper keys}), "optimizer"?: (name, kwargs), "lr_scale"?: float}``;
+    ``optimizer`` replaces the config's optimizer name and keyword arguments (its learning
+    rate and schedule stay); ``lr_scale`` multiplies ``optimizer.learning_rate`` (e.g. 0.1
+    for DGC, which keeps momentum 0.9 itself).
     """
     name, kwargs = variant["compressor"]
     c.compressor.name, c.compressor.kwargs = name, dict(kwargs)
@@ -56,6 +58,9 @@ def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:
     if "wrapper" in variant:
         c.wrapper.name, c.wrapper.every, *more = variant["wrapper"]
         c.wrapper.update(more[0] if more else {})
+    if "optimizer" in variant:
+        c.optimizer.name, kwargs = variant["optimizer"]
+        c.optimizer.kwargs = dict(kwargs)
     if "lr_scale" in variant:
         c.optimizer.lr_scale = float(variant["lr_scale"])
 

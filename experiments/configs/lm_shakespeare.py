@@ -50,6 +50,9 @@ EVERY = 10  # DiLoCo's inner steps per round
 # half local, half global (the paper's alpha = 0.5 with overlap)
 STREAM = {"fragments": 2, "delay": 1, "mix": 0.5}
 
+MUON = {"consistent_rms": 0.2, "beta": 0.95, "weight_decay": 0.1, "adam_b2": 0.95,
+        "adam_weight_decay": 0.1, "adam_learning_rate": 2e-3}  # fmt: skip
+
 VARIANTS: dict[str, dict] = {
     "dense": {"compressor": ("allreduce", {})},
     "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0})},
@@ -83,6 +86,28 @@ VARIANTS: dict[str, dict] = {
             },
         ),
         "wrapper": ("streaming_diloco", EVERY, STREAM),
+    },
+    # SparseLoCo: the same AdamW inside; outer top-64 of every 4096-entry chunk (1.6%), 2-bit
+    # codes, error feedback (decay 0.95) in place of outer momentum, outer step 1.0
+    "sparseloco": {
+        "compressor": ("allreduce", {}),
+        "wrapper": ("sparseloco", EVERY, {"topk": 64, "chunk": 4096, "error_decay": 0.95}),
+    },
+    # MuLoCo: optax's Muon inside (its updates rescaled to AdamW's RMS, 0.2, so the shared
+    # learning rate, schedule and weight decay apply; Adam b2 0.95 on the other leaves), the
+    # outer gradient int8 + EF over the two-phase exchange, DiLoCo's outer Nesterov step
+    "muloco": {
+        "compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "two_phase"}),
+        "wrapper": ("diloco", EVERY),
+        "optimizer": ("muon", MUON),
+    },
+    # DeMo: its own optimizer (sign of the decoded DCT top-32 of each 64-entry chunk's
+    # momentum), on the shared schedule at half the peak learning rate (a sign step moves
+    # every entry by the full rate), decoupled weight decay 0.1
+    "demo": {
+        "compressor": ("allreduce", {}),
+        "optimizer": ("demo", {"weight_decay": 0.1}),
+        "lr_scale": 0.5,
     },
 }
 

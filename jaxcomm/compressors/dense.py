@@ -36,7 +36,7 @@ class Dense(core.CompressorBase):
     def decode(self, payload, aux, d, dtype):
         return payload[0].astype(dtype)
 
-    def wire_size(self, d: int, dtype: Any) -> int:
+    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
         return d * exchange.moved_itemsize(dtype)  # bf16 sums move 4 bytes on XLA:CPU
 
 
@@ -136,7 +136,7 @@ class Cast(core.CompressorBase):
             return received[0].astype(dtype)
         return super().decode_mean(received, aux, d, dtype, n)
 
-    def wire_size(self, d: int, dtype: Any) -> int:
+    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
         if self.kind == "all_gather":  # uint16 words on every backend
             return d * 2
         # the psum: fp16 widened by us on CPU, bf16 by XLA:CPU (both 4 bytes there)

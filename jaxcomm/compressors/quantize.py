@@ -140,9 +140,6 @@ class Int8(core.CompressorBase):
         # payload: (n, d) int8 codes, (n, nb) float32 scales
         return sum_over_workers(self._decode_one, payload).astype(dtype)
 
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return d + 4 * math.ceil(d / self.bucket_size)
-
 
 def int8(
     *,
@@ -261,10 +258,6 @@ class QSGD(core.CompressorBase):
         # payload: (n, nw) uint32 words, (n, nb) float32 norms
         one = functools.partial(self._decode_one, d=d)
         return sum_over_workers(one, payload).astype(dtype)
-
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        words = packing.packed_size(d, self.bits, dtype=jnp.uint32)
-        return 4 * words + 4 * math.ceil(d / self.bucket_size)
 
 
 def qsgd(

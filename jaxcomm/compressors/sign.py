@@ -8,7 +8,6 @@ sent in float32; updates come out in the gradient's dtype.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -92,9 +91,6 @@ class OneBit(core.CompressorBase):
             return unbucket(jnp.where(neg, recon[:, 1:2], recon[:, 0:1]), d)
 
         return sum_over_workers(one, payload).astype(dtype)
-
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return 4 * packing.packed_size(d, 1) + 8 * math.ceil(d / self._b(d))
 
 
 def onebit(
@@ -186,9 +182,6 @@ class ScaledSign(core.CompressorBase):
             return jnp.where(_signs(words, d), -scale, scale)
 
         return sum_over_workers(one, payload).astype(dtype)
-
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return 4 * packing.packed_size(d, 1) + 4
 
 
 def ef_sign(
@@ -400,9 +393,6 @@ class TwoBit(core.CompressorBase):
         q = jnp.where(p >= tau, tau, jnp.where(p <= -tau, -tau, jnp.zeros((), p.dtype)))
         return p - q
 
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return 4 * packing.packed_size(d, 2)
-
     def server_codec(self) -> TwoBitServer:
         return self._server
 
@@ -441,9 +431,6 @@ class TwoBitServer(core.CompressorBase):
             return scale * _ternary(words, d)
 
         return sum_over_workers(one, payload).astype(dtype)
-
-    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return 4 * packing.packed_size(d, 2) + 4
 
 
 def twobit(

@@ -47,9 +47,6 @@ class _Sparse(core.CompressorBase):
         # scale the n*k received values, not the dense d-vector
         return _scatter_add(d, dtype, idx, vals.astype(dtype) / jnp.asarray(n, dtype))
 
-    def wire_size(self, d: int, dtype: Any) -> int:
-        return self.slots(d) * (jnp.dtype(dtype).itemsize + 4)
-
 
 class TopKState(core.CompressState):
     """State of the TopK transform: the fields of :class:`jaxcomm.core.CompressState`.
@@ -210,7 +207,7 @@ class RandomK(_Sparse):
         vals, idx = (payload[0], aux) if self.kind == "psum" else payload
         return p.at[idx].add(-vals)
 
-    def wire_size(self, d: int, dtype: Any) -> int:
+    def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
         # Payload only; the 8-byte key agreement is once per step, not per leaf.
         if self.kind == "psum":  # bf16 sums move 4 bytes on XLA:CPU
             per_entry = exchange.moved_itemsize(dtype)
