@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import buckets, exchange, strategies
+from jaxcomm import buckets, checks, exchange, strategies
 from jaxcomm.strategies import Config, Memory, Step, Strategy
 
 _xc = exchange  # the module, where compress's ``exchange=`` option shadows its name
@@ -196,37 +196,6 @@ class CompressState(NamedTuple):
     server: Any = None
 
 
-def check_ratio(ratio: Any, name: str = "ratio") -> float:
-    """Validate a compression ratio in (0, 1]."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.floating, np.integer)):
-        raise TypeError(f"{name}: expected a float in (0, 1], got {ratio!r}")
-    ratio = float(ratio)
-    if not (0.0 < ratio <= 1.0) or math.isnan(ratio):
-        raise ValueError(f"{name}: must be in (0, 1], got {ratio}")
-    return ratio
-
-
-def check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    """Validate an int argument in ``[lo, hi]`` (TypeError / ValueError naming it)."""
-    allowed = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected {allowed}, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name}: expected {allowed}, got {value}")
-    return value
-
-
-def check_positive(value: Any, name: str) -> float:
-    """Validate a finite float argument > 0 (TypeError / ValueError naming it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a float > 0, got {value!r}")
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}: expected a finite float > 0, got {value}")
-    return value
-
-
 def check_residual(residual: Any, updates: Any, name: str = "state.residual") -> None:
     """The residual tree must match the updates leaf for leaf (structure and shapes)."""
     s_res, s_upd = jax.tree.structure(residual), jax.tree.structure(updates)
@@ -241,19 +210,6 @@ def check_residual(residual: Any, updates: Any, name: str = "state.residual") ->
                 f"{name}: leaf shape {jnp.shape(r)} does not match the update's "
                 f"{jnp.shape(u)}; was the state initialised with other params?"
             )
-
-
-def check_state_dtype(value: Any, name: str = "state_dtype") -> Any:
-    """Validate a ``state_dtype=`` option: ``None`` or a floating dtype."""
-    if value is None:
-        return None
-    try:
-        dt = jnp.dtype(value)
-    except TypeError as e:
-        raise TypeError(f"{name}: expected None or a floating dtype, got {value!r}") from e
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise ValueError(f"{name}: expected None or a floating dtype, got {dt}")
-    return dt
 
 
 def resolve_state_dtype(leaf_dtype: Any, state_dtype: Any = None) -> Any:
@@ -318,18 +274,6 @@ def state_class(compressor: Any) -> type:
     return type(compressor).state_cls or CompressState
 
 
-def check_scalar_count(state: Any, fn: str) -> None:
-    """A state's ``count`` is a scalar; a leading worker axis left on the state is named."""
-    count = state.count if "count" in getattr(type(state), "_fields", ()) else None
-    if count is not None and jnp.ndim(count) != 0:
-        raise ValueError(
-            f"state.count of {fn} has shape {jnp.shape(count)}, expected a scalar: the state "
-            "still carries its leading worker axis. Inside shard_map, slice it off before "
-            "update (jax.tree.map(lambda a: a[0], state)) and add it back after (a[None]), or "
-            "let jaxcomm.data_parallel do both."
-        )
-
-
 def _check_state(
     state: Any, updates: Any, *, error_feedback: bool, needs_key: bool, cls: type = CompressState
 ) -> None:
@@ -339,7 +283,7 @@ def _check_state(
             f"{type(state).__name__}. Pass the state returned by tx.init(params) of the same "
             f"transform."
         )
-    check_scalar_count(state, cls.__name__)
+    checks.check_scalar_count(state, cls.__name__)
     if needs_key and state.key is None:
         raise ValueError(
             "state: this transform needs a PRNG key in its state but state.key is None; the "
@@ -604,7 +548,7 @@ def compress(
             f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}"
         )
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    state_dtype = check_state_dtype(state_dtype)
+    state_dtype = checks.check_state_dtype(state_dtype)
     mode = _xc.check_exchange(exchange, compressor.kind)
     if mode not in ("gather", "auto") and compressor.agrees:
         raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")

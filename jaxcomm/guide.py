@@ -1010,6 +1010,8 @@ top-k break-even, measured against predicted step times from
     jaxcomm/
       core.py          Compressor protocol, compress(): its update in small stages (check
                        state, step key, add memory, group leaves, strategy, new state)
+      checks.py        the shared argument and state validators (check_int, check_float,
+                       check_ratio, check_tx, ...); imports nothing of jaxcomm
       strategies.py    the exchange strategies with one signature: local, gather (psum or
                        all-gather, bucketed), two_phase, reduce_scatter
       ledger.py        the byte ledger: what a transform sends (Collective records)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import accounting, buckets, core, exchange
+from jaxcomm import accounting, buckets, checks, core, exchange
 from jaxcomm.collectives import as_varying, varying_names
 from jaxcomm.exchange import AxisName
 
@@ -167,32 +167,6 @@ class StaleState(NamedTuple):
 # --- helpers ------------------------------------------------------------------------
 
 
-def check_tx(tx: Any, name: str) -> optax.GradientTransformation:
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(
-            f"{name}: expected an optax.GradientTransformation (e.g. optax.sgd(0.1)), "
-            f"got {type(tx).__name__}"
-        )
-    return tx
-
-
-def check_state(state: Any, cls: type, fn: str) -> None:
-    if not isinstance(state, cls):
-        raise TypeError(
-            f"state: expected the {cls.__name__} made by {fn}(...).init(params), got "
-            f"{type(state).__name__}"
-        )
-    core.check_scalar_count(state, fn)
-
-
-def require_params(params: Any, fn: str) -> None:
-    if params is None:
-        raise ValueError(
-            f"params: {fn} averages parameters, so update needs the current per-worker params: "
-            f"call tx.update(updates, state, params); got params=None"
-        )
-
-
 def zero_count() -> jax.Array:
     return jnp.zeros((), jnp.int32)
 
@@ -244,7 +218,7 @@ def as_compressor(compressor: Any, axis_name: AxisName | None) -> Any:
                 "compressor=jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name=...)"
             )
         return core.compress(compressor, axis_name=axis_name, min_size=0)
-    return check_tx(compressor, "compressor")
+    return checks.check_tx(compressor, "compressor")
 
 
 def check_compressor_axis(comp: Any, params: Any, axis_name: AxisName | None) -> None:
@@ -311,8 +285,8 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
       Hour", 2017, arXiv:1706.02677 (large batches, which accumulation
       emulates).
     """
-    inner = check_tx(inner, "inner")
-    every = core.check_int(every, "every", 1)
+    inner = checks.check_tx(inner, "inner")
+    every = checks.check_int(every, "every", 1)
 
     def init_fn(params):
         return AccumulateState(
@@ -324,7 +298,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
         )
 
     def update_fn(updates, state, params=None):
-        check_state(state, AccumulateState, "accumulate")
+        checks.check_state(state, AccumulateState, "accumulate")
         acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
         mean = jax.tree.map(lambda a, g: (a / every).astype(g.dtype), acc, updates)
 
@@ -355,7 +329,7 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
 # --- periodic parameter averaging -----------------------------------------------------
 
 
-def _sync_step(state: Any, every: int, warmup_steps: int) -> jax.Array:
+def sync_step(state: Any, every: int, warmup_steps: int) -> jax.Array:
     """Whether this step synchronises: all of the warm-up, then every ``every``-th step."""
     return (state.count < warmup_steps) | (state.local_steps >= every - 1)
 
@@ -416,9 +390,9 @@ def local_sgd(
       arXiv:1805.09767. Lin et al., "Don't Use Large Mini-Batches, Use Local
       SGD", ICLR 2020, arXiv:1808.07217 (post-local SGD).
     """
-    inner = check_tx(inner, "inner")
-    every = core.check_int(every, "every", 1)
-    warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
+    inner = checks.check_tx(inner, "inner")
+    every = checks.check_int(every, "every", 1)
+    warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comp = as_compressor(compressor, axis_name)
@@ -436,8 +410,8 @@ def local_sgd(
         )
 
     def update_fn(updates, state, params=None):
-        require_params(params, "local_sgd")
-        check_state(state, LocalSGDState, "local_sgd")
+        checks.require_params(params, "local_sgd")
+        checks.check_state(state, LocalSGDState, "local_sgd")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
@@ -457,7 +431,7 @@ def local_sgd(
         def stay(u, params, anchor, comp_state, syncs):
             return u, anchor, comp_state, syncs
 
-        is_sync = _sync_step(state, every, warmup_steps)
+        is_sync = sync_step(state, every, warmup_steps)
         u, anchor, comp_state, syncs = typed_cond(
             is_sync, sync, stay, u, params, state.anchor, state.compressor_state, state.syncs
         )
@@ -527,9 +501,9 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, arXiv:2311.08105.
     """
-    inner = check_tx(inner, "inner")
-    outer = check_tx(outer, "outer")
-    every = core.check_int(every, "every", 1)
+    inner = checks.check_tx(inner, "inner")
+    outer = checks.check_tx(outer, "outer")
+    every = checks.check_int(every, "every", 1)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comp = as_compressor(compressor, axis_name)
@@ -549,8 +523,8 @@ def diloco(
         )
 
     def update_fn(updates, state, params=None):
-        require_params(params, "diloco")
-        check_state(state, DiLoCoState, "diloco")
+        checks.require_params(params, "diloco")
+        checks.check_state(state, DiLoCoState, "diloco")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
@@ -569,7 +543,7 @@ def diloco(
         def stay(u, params, anchor, outer_state, comp_state, syncs):
             return u, anchor, outer_state, comp_state, syncs
 
-        is_sync = _sync_step(state, every, 0)
+        is_sync = sync_step(state, every, 0)
         u, anchor, outer_state, comp_state, syncs = typed_cond(
             is_sync,
             sync,
@@ -640,8 +614,8 @@ def delayed_averaging(
       Communication Latency for Federated Learning", NeurIPS 2021,
       openreview.net/forum?id=ACFHNxVNvfk.
     """
-    inner = check_tx(inner, "inner")
-    delay = core.check_int(delay, "delay", 0)
+    inner = checks.check_tx(inner, "inner")
+    delay = checks.check_int(delay, "delay", 0)
     axis_name = exchange.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
@@ -654,7 +628,7 @@ def delayed_averaging(
         )
 
     def update_fn(updates, state, params=None):
-        check_state(state, DelayedAveragingState, "delayed_averaging")
+        checks.check_state(state, DelayedAveragingState, "delayed_averaging")
         exchange.check_per_worker(updates, axis_name)
         mean = updates if axis_name is None else buckets.pmean(updates, axis_name, bucket_bytes)
         queue, head = state.queue, state.head
@@ -703,8 +677,8 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
       Parallel Stochastic Gradient for Nonconvex Optimization", NeurIPS 2015,
       arXiv:1506.08272.
     """
-    inner = check_tx(inner, "inner")
-    staleness = core.check_int(staleness, "staleness", 0)
+    inner = checks.check_tx(inner, "inner")
+    staleness = checks.check_int(staleness, "staleness", 0)
 
     def init_fn(params):
         return StaleState(
@@ -715,7 +689,7 @@ def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.Gradi
         )
 
     def update_fn(updates, state, params=None):
-        check_state(state, StaleState, "stale")
+        checks.check_state(state, StaleState, "stale")
         if staleness == 0:
             u, inner_state = inner.update(updates, state.inner_state, params)
             return u, state._replace(count=inc_count(state.count), inner_state=inner_state)
@@ -803,10 +777,12 @@ def skip_nonfinite(
       >>> tx = jaxcomm.skip_nonfinite(
       ...     optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1)))
     """
-    inner = check_tx(inner, "inner")
+    inner = checks.check_tx(inner, "inner")
     axis_name = exchange.check_axis_name(axis_name)
     if max_consecutive_errors is not None:
-        max_consecutive_errors = core.check_int(max_consecutive_errors, "max_consecutive_errors", 0)
+        max_consecutive_errors = checks.check_int(
+            max_consecutive_errors, "max_consecutive_errors", 0
+        )
 
     def init_fn(params):
         return SkipNonfiniteState(
@@ -817,7 +793,7 @@ def skip_nonfinite(
         )
 
     def update_fn(updates, state, params=None):
-        check_state(state, SkipNonfiniteState, "skip_nonfinite")
+        checks.check_state(state, SkipNonfiniteState, "skip_nonfinite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
         leaves = [u for u in jax.tree.leaves(new_updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
         finite = (

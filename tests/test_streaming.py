@@ -133,7 +133,7 @@ def test_bad_arguments_name_the_argument():
         streaming_diloco(sgd, every=6, fragments=4, axis_name=None)
     with pytest.raises(ValueError, match=r"delay: must be in \[0, every/fragments\)"):
         streaming_diloco(sgd, every=6, fragments=2, delay=3, axis_name=None)
-    with pytest.raises(ValueError, match=r"mix: must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"mix: expected a float in \[0, 1\], got 1.5"):
         streaming_diloco(sgd, every=6, fragments=2, mix=1.5, axis_name=None)
     with pytest.raises(ValueError, match="every"):
         streaming_diloco(sgd, every=0, fragments=1, axis_name=None)

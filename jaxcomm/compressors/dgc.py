@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import buckets, core, exchange
+from jaxcomm import buckets, checks, core, exchange
 from jaxcomm.compressors.sparse import kth_largest
 from jaxcomm.exchange import AxisName
 
@@ -75,23 +75,11 @@ class DGCState(NamedTuple):
 
 
 def _check_momentum(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"momentum: expected a float in [0, 1), got {value!r}")
-    value = float(value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"momentum: expected a float in [0, 1), got {value}")
-    return value
+    return checks.check_float(value, "momentum", low=0, strict=False, high=1)
 
 
 def _check_clip(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"clip_norm: expected None or a float > 0, got {value!r}")
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"clip_norm: expected None or a finite float > 0, got {value}")
-    return value
+    return None if value is None else checks.check_positive(value, "clip_norm")
 
 
 # --- warm-up schedule ---------------------------------------------------------------
@@ -106,7 +94,7 @@ def _densities(
         # the previous one's entries, never fewer than the final ratio.
         warm = [max(ratio, 0.25 ** (e + 1)) for e in range(warmup_epochs)]
     else:
-        warm = [core.check_ratio(r, "warmup_ratios") for r in warmup_ratios]
+        warm = [checks.check_ratio(r, "warmup_ratios") for r in warmup_ratios]
     return (*warm, ratio)
 
 
@@ -162,9 +150,9 @@ def dgc_density_schedule(
 
 
 def _check_schedule(ratio, warmup_steps, warmup_epochs, warmup_ratios):
-    ratio = core.check_ratio(ratio)
-    warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
-    warmup_epochs = core.check_int(warmup_epochs, "warmup_epochs", 1)
+    ratio = checks.check_ratio(ratio)
+    warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
+    warmup_epochs = checks.check_int(warmup_epochs, "warmup_epochs", 1)
     if warmup_ratios is not None:
         warmup_ratios = tuple(warmup_ratios)
         if len(warmup_ratios) != warmup_epochs:
@@ -451,9 +439,9 @@ def dgc(
     )
     m = _check_momentum(momentum)
     clip = _check_clip(clip_norm)
-    sample_ratio = core.check_ratio(sample_ratio, "sample_ratio")
-    state_dtype = core.check_state_dtype(state_dtype)
-    min_size = core.check_int(min_size, "min_size", 0)
+    sample_ratio = checks.check_ratio(sample_ratio, "sample_ratio")
+    state_dtype = checks.check_state_dtype(state_dtype)
+    min_size = checks.check_int(min_size, "min_size", 0)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     if not momentum_correction and m != 0.0:
         raise ValueError(

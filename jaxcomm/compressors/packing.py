@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm import checks
+
 __all__ = ["pack", "unpack", "packed_size", "word_bits", "field_bits"]
 
 _WORDS = {"uint8": 8, "uint16": 16, "uint32": 32}
@@ -46,11 +48,7 @@ def word_bits(dtype: Any) -> int:
 
 
 def _check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
-        raise TypeError(f"bits: expected an int in [1, 32], got {bits!r}")
-    if not 1 <= int(bits) <= 32:
-        raise ValueError(f"bits: expected an int in [1, 32], got {bits}")
-    return int(bits)
+    return checks.check_int(bits, "bits", 1, 32)
 
 
 def _dense(bits: int, w: int, aligned: bool) -> bool:

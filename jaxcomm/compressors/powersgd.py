@@ -20,11 +20,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import buckets, core, exchange
+from jaxcomm import buckets, checks, core, exchange
 from jaxcomm.exchange import AxisName
 
 __all__ = ["PowerSGDState", "leaf_plan", "powersgd", "orthogonalize"]
@@ -144,17 +143,6 @@ def orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
         safe = jnp.where(dependent, 1.0, n + epsilon)
         cols.append(jnp.where(dependent, 0.0, c / safe))
     return jnp.stack(cols, axis=-1)
-
-
-def _check_float(value: Any, name: str, *, low: float, strict: bool) -> float:
-    rel = ">" if strict else ">="
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}: expected a float {rel} {low}, got {value!r}")
-    value = float(value)
-    bad = value <= low if strict else value < low
-    if bad or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite float {rel} {low}, got {value}")
-    return value
 
 
 def _check_state(state: Any, updates: Any, *, error_feedback: bool, warm_start: bool) -> None:
@@ -313,17 +301,19 @@ def powersgd(
       powerSGD_hook``.
     """
     axis_name = exchange.check_axis_name(axis_name)
-    rank = core.check_int(rank, "rank", 1)
-    start_iter = core.check_int(start_iter, "start_iter", 0)
-    min_rate = _check_float(min_compression_rate, "min_compression_rate", low=0.0, strict=True)
-    eps = _check_float(
+    rank = checks.check_int(rank, "rank", 1)
+    start_iter = checks.check_int(start_iter, "start_iter", 0)
+    min_rate = checks.check_float(
+        min_compression_rate, "min_compression_rate", low=0.0, strict=True
+    )
+    eps = checks.check_float(
         orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0, strict=False
     )
     if matrix_view not in ("first", "last"):
         raise ValueError(f"matrix_view: expected 'first' or 'last', got {matrix_view!r}")
     raw_key = core.key_bits(key)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    state_dtype = core.check_state_dtype(state_dtype)
+    state_dtype = checks.check_state_dtype(state_dtype)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)

@@ -19,17 +19,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import core, exchange
+from jaxcomm import checks, core, exchange
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.compressors import packing
 from jaxcomm.exchange import AxisName, check_axis_name
 
 UNROLL = 16  # workers decoded in one fused pass; more go through a scan
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
-
-
-check_int = core.check_int
-check_positive = core.check_positive
 
 
 def require_key(key: Any, why: str) -> None:
@@ -190,7 +186,7 @@ def int8(
       ICLR 2016, arXiv:1511.04561. Gupta et al., "Deep Learning with Limited
       Numerical Precision" (stochastic rounding), ICML 2015, arXiv:1502.02551.
     """
-    bucket_size = check_int(bucket_size, "bucket_size", 1)
+    bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
     if stochastic:
         require_key(key, "when stochastic=True (or pass stochastic=False)")
     return core.compress(
@@ -308,8 +304,8 @@ def qsgd(
       Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
       Quantization and Encoding", NeurIPS 2017, arXiv:1610.02132.
     """
-    levels = check_int(levels, "levels", 1, MAX_LEVELS)
-    bucket_size = check_int(bucket_size, "bucket_size", 1)
+    levels = checks.check_int(levels, "levels", 1, MAX_LEVELS)
+    bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
     require_key(key, "for qsgd")
     return core.compress(
         QSGD(levels, bucket_size),
@@ -492,7 +488,7 @@ def terngrad(
     """
     require_key(key, "for terngrad")
     if clip_sigma is not None:
-        clip_sigma = check_positive(clip_sigma, "clip_sigma")
+        clip_sigma = checks.check_positive(clip_sigma, "clip_sigma")
     return core.compress(
         TernGrad(clip_sigma, bool(share_scale), check_axis_name(axis_name)),
         axis_name=axis_name,

@@ -13,15 +13,13 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import core
+from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.quantize import (
     axis_workers,
     bucket_view,
     buckets,
-    check_int,
-    check_positive,
     sum_over_workers,
     unbucket,
 )
@@ -138,7 +136,7 @@ def onebit(
       Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
     """
     if bucket_size is not None:
-        bucket_size = check_int(bucket_size, "bucket_size", 1)
+        bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
     return core.compress(
         OneBit(bucket_size),
         axis_name=axis_name,
@@ -484,7 +482,7 @@ def twobit(
       type '2bit'), 2017. Strom, "Scalable Distributed DNN Training Using
       Commodity GPU Cloud Computing", Interspeech 2015.
     """
-    threshold = check_positive(threshold, "threshold")
+    threshold = checks.check_positive(threshold, "threshold")
     return core.compress(
         TwoBit(threshold),
         axis_name=axis_name,

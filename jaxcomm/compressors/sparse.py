@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import core, exchange
+from jaxcomm import checks, core, exchange
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.exchange import AxisName
 
@@ -118,7 +118,7 @@ def topk(
       NeurIPS 2018, arXiv:1809.07599.
     """
     return core.compress(
-        TopK(core.check_ratio(ratio)),
+        TopK(checks.check_ratio(ratio)),
         axis_name=axis_name,
         error_feedback=error_feedback,
         min_size=min_size,
@@ -266,7 +266,7 @@ def randomk(
     if sampling not in ("uniform", "stratified"):
         raise ValueError(f"sampling: expected 'uniform' or 'stratified', got {sampling!r}")
     comp = RandomK(
-        core.check_ratio(ratio),
+        checks.check_ratio(ratio),
         shared=bool(shared_indices),
         rescale=not error_feedback,
         sampling=sampling,
@@ -585,7 +585,7 @@ class Threshold(_Sparse):
         self.ratio = ratio
         self.sample_ratio = sample_ratio
         self.choose_periods = bool(choose_periods)
-        self.sample_kept = core.check_int(sample_kept, "sample_kept", 0)
+        self.sample_kept = checks.check_int(sample_kept, "sample_kept", 0)
 
     def periods(self, d: int) -> tuple[int, int]:
         return _periods(core.num_kept(self.ratio, d), d if self.choose_periods else None)
@@ -727,9 +727,9 @@ def threshold(
       ICLR 2018, arXiv:1712.01887.
     """
     if sample_ratio is not None:
-        sample_ratio = core.check_ratio(sample_ratio, "sample_ratio")
+        sample_ratio = checks.check_ratio(sample_ratio, "sample_ratio")
     return core.compress(
-        Threshold(core.check_ratio(ratio), sample_ratio),
+        Threshold(checks.check_ratio(ratio), sample_ratio),
         axis_name=axis_name,
         error_feedback=error_feedback,
         min_size=min_size,
@@ -760,8 +760,8 @@ def threshold_usage(
       >>> used = jaxcomm.compressors.sparse.threshold_usage(grads, state.residual, ratio=0.01)
     """
     comp = Threshold(
-        core.check_ratio(ratio),
-        None if sample_ratio is None else core.check_ratio(sample_ratio, "sample_ratio"),
+        checks.check_ratio(ratio),
+        None if sample_ratio is None else checks.check_ratio(sample_ratio, "sample_ratio"),
     )
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size: expected an int >= 0, got {min_size!r}")

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import collectives, core, exchange, sync
+from jaxcomm import checks, collectives, core, exchange, sync
 from jaxcomm.compressors import packing
 from jaxcomm.exchange import AxisName
 
@@ -144,16 +144,15 @@ def _outer_step(anchor, error, local, layouts, beta, alpha, axis_name):
 
 
 def _check_options(every, outer_learning_rate, error_decay, chunk, topk, bits):
-    every = core.check_int(every, "every", 1)
-    alpha = core.check_positive(outer_learning_rate, "outer_learning_rate")
-    if isinstance(error_decay, bool) or not isinstance(error_decay, (int, float)):
-        raise TypeError(f"error_decay: expected a float in [0, 1], got {error_decay!r}")
-    if not 0.0 <= float(error_decay) <= 1.0:
-        raise ValueError(f"error_decay: expected a float in [0, 1], got {error_decay}")
-    chunk = core.check_int(chunk, "chunk", 1)
-    topk = core.check_int(topk, "topk", 1, chunk)
-    bits = core.check_int(bits, "bits", 1, 16)
-    return every, alpha, float(error_decay), chunk, topk, bits
+    every = checks.check_int(every, "every", 1)
+    alpha = checks.check_positive(outer_learning_rate, "outer_learning_rate")
+    beta = checks.check_float(
+        error_decay, "error_decay", low=0, strict=False, high=1, high_strict=False
+    )
+    chunk = checks.check_int(chunk, "chunk", 1)
+    topk = checks.check_int(topk, "topk", 1, chunk)
+    bits = checks.check_int(bits, "bits", 1, 16)
+    return every, alpha, beta, chunk, topk, bits
 
 
 def sparseloco_sync_bytes(params: Any, *, chunk: int = 4096, topk: int = 64, bits: int = 2) -> int:
@@ -228,12 +227,12 @@ def sparseloco(
       al., "DiLoCo: Distributed Low-Communication Training of Language
       Models", 2023, arXiv:2311.08105.
     """
-    inner = sync.check_tx(inner, "inner")
+    inner = checks.check_tx(inner, "inner")
     every, alpha, beta, chunk, topk, bits = _check_options(
         every, outer_learning_rate, error_decay, chunk, topk, bits
     )
     axis_name = exchange.check_axis_name(axis_name)
-    state_dtype = core.check_state_dtype(state_dtype)
+    state_dtype = checks.check_state_dtype(state_dtype)
 
     def init_fn(params):
         core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
@@ -253,8 +252,8 @@ def sparseloco(
         )
 
     def update_fn(updates, state, params=None):
-        sync.require_params(params, "sparseloco")
-        sync.check_state(state, SparseLoCoState, "sparseloco")
+        checks.require_params(params, "sparseloco")
+        checks.check_state(state, SparseLoCoState, "sparseloco")
         exchange.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
         treedef = jax.tree.structure(params)
@@ -279,7 +278,7 @@ def sparseloco(
         def stay(u, params, anchor, error, syncs):
             return u, anchor, error, syncs
 
-        is_sync = state.local_steps >= every - 1
+        is_sync = sync.sync_step(state, every, 0)
         u, anchor, error, syncs = sync.typed_cond(
             is_sync, outer, stay, u, params, state.anchor, state.error, state.syncs
         )

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, core, exchange, sync
+from jaxcomm import buckets, checks, exchange, sync
 from jaxcomm.exchange import AxisName
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoState", "fragment_of", "streaming_diloco"]
@@ -102,9 +102,9 @@ def _put(leaves: list, members: list[int], values: list) -> list:
 
 
 def _check(every: int, fragments: int, delay: int, mix: float) -> tuple[int, int, int, float]:
-    every = core.check_int(every, "every", 1)
-    fragments = core.check_int(fragments, "fragments", 1)
-    delay = core.check_int(delay, "delay", 0)
+    every = checks.check_int(every, "every", 1)
+    fragments = checks.check_int(fragments, "fragments", 1)
+    delay = checks.check_int(delay, "delay", 0)
     if every % fragments:
         raise ValueError(
             f"fragments: must divide every={every} (one fragment syncs every every/fragments "
@@ -115,9 +115,8 @@ def _check(every: int, fragments: int, delay: int, mix: float) -> tuple[int, int
             f"delay: must be in [0, every/fragments) = [0, {every // fragments}) so that one "
             f"exchange is in flight at a time; got {delay}"
         )
-    if not 0.0 <= float(mix) <= 1.0:
-        raise ValueError(f"mix: must be in [0, 1], got {mix}")
-    return every, fragments, delay, float(mix)
+    mix = checks.check_float(mix, "mix", low=0, strict=False, high=1, high_strict=False)
+    return every, fragments, delay, mix
 
 
 def streaming_diloco(
@@ -183,8 +182,8 @@ class StreamingDiLoCo:
 
     def __init__(self, inner, *, every, fragments, axis_name, delay=0, mix=0.0, outer=_OUTER,
                  compressor=None, bucket_bytes=buckets.DEFAULT_BUCKET_BYTES):  # fmt: skip
-        self.inner = sync.check_tx(inner, "inner")
-        self.outer = sync.check_tx(outer, "outer")
+        self.inner = checks.check_tx(inner, "inner")
+        self.outer = checks.check_tx(outer, "outer")
         self.every, self.fragments, self.delay, self.mix = _check(every, fragments, delay, mix)
         self.axis_name = exchange.check_axis_name(axis_name)
         self.bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
@@ -253,8 +252,8 @@ class StreamingDiLoCo:
         return local, anchor, outer_state, comp_state, sends
 
     def update(self, updates, state, params=None, *, overlap: bool = False):
-        sync.require_params(params, "streaming_diloco")
-        sync.check_state(state, StreamingDiLoCoState, "streaming_diloco")
+        checks.require_params(params, "streaming_diloco")
+        checks.check_state(state, StreamingDiLoCoState, "streaming_diloco")
         exchange.check_per_worker(updates, self.axis_name)
         u, inner_state = self.inner.update(updates, state.inner_state, params)
         s = state.count + 1  # this is inner step s (1-based)

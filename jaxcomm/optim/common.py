@@ -8,22 +8,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import core, sync
+from jaxcomm import checks
 
 
 def check_adam_args(b1: Any, b2: Any, eps: Any, weight_decay: Any) -> float:
     """Validate Adam's arguments (errors name the argument); returns ``eps`` as a float."""
     for name, value in (("b1", b1), ("b2", b2)):
-        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
-            raise ValueError(f"{name}: expected a float in [0, 1), got {value!r}")
-    eps = core.check_positive(eps, "eps")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay: expected a float >= 0, got {weight_decay!r}")
+        checks.check_float(value, name, low=0, strict=False, high=1)
+    eps = checks.check_positive(eps, "eps")
+    check_weight_decay(weight_decay)
     return eps
 
 
-# The state-class check the sync wrappers use (same message).
-check_state = sync.check_state
+def check_weight_decay(weight_decay: Any) -> float:
+    """Validate a ``weight_decay=`` option: a finite float >= 0."""
+    return checks.check_float(weight_decay, "weight_decay", low=0, strict=False)
 
 
 def zeros_f32(params: Any) -> Any:

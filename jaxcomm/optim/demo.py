@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import collectives, core
+from jaxcomm import checks, collectives, core
 from jaxcomm.collectives import AxisName
 from jaxcomm.optim import common
 
@@ -133,15 +133,11 @@ def scatter_mean(vals: jax.Array, idx: jax.Array, lay: Layout, dtype: Any) -> ja
 
 def check_args(decay: Any, topk: Any, chunk: Any, weight_decay: Any) -> tuple[float, int, int]:
     """Validate :func:`demo`'s options (errors name the argument and the allowed range)."""
-    if isinstance(decay, bool) or not isinstance(decay, (int, float, np.floating)):
-        raise TypeError(f"compression_decay: expected a float in [0, 1), got {decay!r}")
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"compression_decay: expected a float in [0, 1), got {decay!r}")
-    chunk = core.check_int(chunk, "compression_chunk", 1)
-    topk = core.check_int(topk, "compression_topk", 1, chunk * chunk)
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
-        raise ValueError(f"weight_decay: expected a float >= 0, got {weight_decay!r}")
-    return float(decay), topk, chunk
+    decay = checks.check_float(decay, "compression_decay", low=0, strict=False, high=1)
+    chunk = checks.check_int(chunk, "compression_chunk", 1)
+    topk = checks.check_int(topk, "compression_topk", 1, chunk * chunk)
+    common.check_weight_decay(weight_decay)
+    return decay, topk, chunk
 
 
 def demo(
@@ -249,7 +245,7 @@ def demo(
         return decode(scatter_mean(vals, idx, lay, delta.dtype), lay, delta.shape)
 
     def update_fn(updates, state, params=None):
-        common.check_state(state, DeMoState, "demo")
+        checks.check_state(state, DeMoState, "demo")
         core.check_residual(state.delta, updates, "state.delta")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")

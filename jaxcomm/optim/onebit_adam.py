@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, core, sync
+from jaxcomm import buckets, checks, core, sync
 from jaxcomm import exchange as _xc
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
@@ -96,7 +96,7 @@ def onebit_adam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
       with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888.
     """
-    warmup_steps = core.check_int(warmup_steps, "warmup_steps", 0)
+    warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = _xc.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
@@ -120,7 +120,7 @@ def onebit_adam(
         )
 
     def update_fn(updates, state, params=None):
-        common.check_state(state, OnebitAdamState, "onebit_adam")
+        checks.check_state(state, OnebitAdamState, "onebit_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
         _xc.check_per_worker(updates, axis_name)

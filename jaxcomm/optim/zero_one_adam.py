@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, core, sync
+from jaxcomm import buckets, checks, core, sync
 from jaxcomm import exchange as _xc
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
@@ -170,10 +170,10 @@ def zero_one_adam(
       Lu, Li, Zhang, Yao, He, "Maximizing Communication Efficiency for
       Large-scale Training via 0/1 Adam", ICLR 2023, arXiv:2202.06009.
     """
-    var_freeze_step = core.check_int(var_freeze_step, "var_freeze_step", 0)
-    var_update_scaler = core.check_int(var_update_scaler, "var_update_scaler", 1)
-    local_step_scaler = core.check_int(local_step_scaler, "local_step_scaler", 1)
-    local_step_clipper = core.check_int(local_step_clipper, "local_step_clipper", 1)
+    var_freeze_step = checks.check_int(var_freeze_step, "var_freeze_step", 0)
+    var_update_scaler = checks.check_int(var_update_scaler, "var_update_scaler", 1)
+    local_step_scaler = checks.check_int(local_step_scaler, "local_step_scaler", 1)
+    local_step_clipper = checks.check_int(local_step_clipper, "local_step_clipper", 1)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = _xc.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
@@ -212,7 +212,7 @@ def zero_one_adam(
         return step
 
     def update_fn(updates, state, params=None):
-        common.check_state(state, ZeroOneAdamState, "zero_one_adam")
+        checks.check_state(state, ZeroOneAdamState, "zero_one_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
         _xc.check_per_worker(updates, axis_name)
