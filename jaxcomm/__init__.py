@@ -11,6 +11,7 @@ from jaxcomm import (
     netsim,
     optim,
     parallel,
+    policy,
     sync,
 )
 from jaxcomm.accounting import wire_bytes
@@ -25,6 +26,7 @@ from jaxcomm.exchange import hierarchical, ring_allreduce
 from jaxcomm.loco import muloco, sparseloco, streaming_diloco
 from jaxcomm.optim import ZeroOneAdamState, demo, onebit_adam, zero_one_adam
 from jaxcomm.parallel import data_parallel, init_state
+from jaxcomm.policy import auto
 from jaxcomm.sync import (
     accumulate,
     delayed_averaging,
@@ -43,6 +45,7 @@ __all__ = [
     "accounting",
     "accumulate",
     "allreduce",
+    "auto",
     "calibrate",
     "cast",
     "data_parallel",
@@ -68,6 +71,7 @@ __all__ = [
     "onebit_adam",
     "optim",
     "parallel",
+    "policy",
     "powersgd",
     "qsgd",
     "randomk",

@@ -43,7 +43,9 @@ __all__ = [
     "clear_cache",
     "exchange_time",
     "fit_alpha_beta",
+    "axis_size",
     "probe_program",
+    "slowest_process",
 ]
 
 #: Collective kinds :func:`calibrate` measures unless told otherwise.
@@ -320,7 +322,7 @@ def probe_program(mesh, axis_name: str | tuple[str, ...], kind: str, nbytes: int
       >>> compiled, x = probe_program(mesh, "data", "all_gather", 2**20)
       >>> compiled(x).block_until_ready()
     """
-    n = _axis_size(mesh, axis_name)
+    n = axis_size(mesh, axis_name)
     if kind not in netsim.KINDS:
         raise ValueError(f"kind: must be one of {', '.join(map(repr, netsim.KINDS))}; got {kind!r}")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1 or nbytes % (4 * n):
@@ -373,7 +375,7 @@ def _fit_kinds(probes, kinds, n, algorithm) -> tuple[dict[str, netsim.Link], lis
     return fitted, errors
 
 
-def _agree(seconds: list[float]) -> list[float]:
+def slowest_process(seconds: list[float]) -> list[float]:
     """The slowest process's time for each probe, so every process fits the same links."""
     if jax.process_count() == 1:
         return seconds
@@ -383,7 +385,8 @@ def _agree(seconds: list[float]) -> list[float]:
     return [float(v) for v in np.max(np.asarray(gathered), axis=0)]
 
 
-def _axis_size(mesh, axis_name) -> int:
+def axis_size(mesh, axis_name) -> int:
+    """Devices along ``axis_name`` (an axis or a tuple of axes) of ``mesh``; >= 2 or an error."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
     if not names or not all(isinstance(a, str) for a in names):
         raise TypeError(
@@ -481,7 +484,7 @@ def calibrate(
       >>> print(cal)
       >>> jaxcomm.calibrate.exchange_time(jaxcomm.accounting.wire_report(tx, params, 8), cal)
     """
-    n = _axis_size(mesh, axis_name)
+    n = axis_size(mesh, axis_name)
     sizes, kinds = _check_calibrate_args(sizes, repeats, kinds)
     netsim.allreduce_time(0.0, _UNIT, n=n, algorithm=algorithm)  # validates algorithm
     devices = tuple(int(d.id) for d in mesh.devices.flat)
@@ -495,7 +498,7 @@ def calibrate(
     programs = _warm_programs(mesh, axis_name, plan)
     seconds = [math.inf] * len(plan)
     for _ in range(ATTEMPTS):  # noisy hosts: more rounds until every kind fits
-        fresh = _agree(_measure(programs, repeats))
+        fresh = slowest_process(_measure(programs, repeats))
         seconds = [min(a, b) for a, b in zip(seconds, fresh)]
         probes = tuple(Probe(k, n, b, t) for (k, b), t in zip(plan, seconds))
         fitted, errors = _fit_kinds(probes, kinds, n, algorithm)

@@ -1,0 +1,425 @@
+"""A link-aware exchange policy: :func:`auto` measures candidates on the mesh, keeps the fastest.
+
+Whether compression pays depends on the link, the model and the backend
+(on a fast link a compressor's encode and decode cost more than the bytes
+they save). :func:`choose` settles it on the user's own mesh, in seconds:
+
+1. every candidate exchange (:data:`DEFAULT_CANDIDATES`: dense fp32, 16-bit
+   words, PowerSGD, top-k and int8 with error feedback) is built with the
+   user's ``axis_name`` and compiled into one small ``shard_map`` program
+   that draws a per-worker gradient shaped like ``params`` and runs the
+   candidate's ``init`` and ``update`` on it; a baseline program draws the
+   gradient and exchanges nothing;
+2. each program is timed (the minimum of ``repeats`` rounds, each round
+   timing every program once; with several processes, the slowest
+   process's time, so every process makes the same choice); a candidate's
+   *cost* is its time minus the baseline's: what it adds to a step;
+3. the choice is the candidate of least cost, where a compressed candidate
+   must beat dense by ``margin`` (a tie goes to dense: noise must not make
+   compression lose) and may not compress more than ``max_ratio``.
+
+With a :class:`jaxcomm.calibrate.Calibration` the table also shows each
+candidate's alpha-beta prediction of its collectives
+(:func:`jaxcomm.calibrate.exchange_time` of its wire report), the model
+``python -m experiments.advise`` prints. :func:`auto` returns the chosen
+transform (optionally after a dense warm-up); :meth:`Choice.drifted` says
+when a measured step time has moved more than 20% from the prediction, the
+cue to call :func:`choose` again with ``refresh=True``.
+
+The choice happens outside ``jit``, once, from the shapes of ``params``:
+the transform :func:`auto` returns is an ordinary jaxcomm transform with
+static shapes and no host round-trip.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomm import accounting, calibrate, checks, collectives, sync
+from jaxcomm.compressors import dense, powersgd, quantize, sparse
+
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "Candidate",
+    "Choice",
+    "Row",
+    "auto",
+    "choose",
+    "clear_cache",
+    "decide",
+    "measure",
+    "dense_warmup",
+]
+
+
+class Candidate(NamedTuple):
+    """A named exchange: ``make(axis_name)`` builds its optax transform (taking gradients)."""
+
+    name: str
+    make: Callable[[Any], optax.GradientTransformation]
+
+
+#: The candidates :func:`choose` measures unless told otherwise; every lossy one
+#: keeps error feedback (the accuracy guard) and leaves small leaves dense.
+DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("dense", lambda ax: dense.allreduce(axis_name=ax)),
+    Candidate("bf16", lambda ax: dense.cast(jnp.bfloat16, axis_name=ax)),
+    Candidate("powersgd_r4", lambda ax: powersgd.powersgd(4, key=jax.random.key(0), axis_name=ax)),
+    Candidate(
+        "int8_ef",
+        lambda ax: quantize.int8(axis_name=ax, key=jax.random.key(0), error_feedback=True),
+    ),  # fmt: skip
+    Candidate("topk_1pct", lambda ax: sparse.topk(0.01, axis_name=ax)),
+)
+
+
+class Row(NamedTuple):
+    """One candidate as :func:`choose` measured it.
+
+    Attributes:
+      name: the candidate's name.
+      seconds: measured cost per step (program time minus the baseline's), >= 0.
+      wire_bytes: bytes one worker puts on the wire per step (its wire report).
+      ratio: dense's wire bytes / this candidate's.
+      predicted_s: the alpha-beta prediction of its collectives from a
+        calibration (``nan`` without one).
+      excluded: why it may not be chosen (``""``: eligible).
+    """
+
+    name: str
+    seconds: float
+    wire_bytes: int
+    ratio: float
+    predicted_s: float
+    excluded: str
+
+
+class Choice(NamedTuple):
+    """What :func:`choose` decided, with every candidate's row and the reason."""
+
+    name: str
+    rows: tuple[Row, ...]
+    n: int
+    reason: str
+
+    def row(self, name: str) -> Row:
+        """The row of candidate ``name``."""
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise ValueError(f"name: no candidate {name!r}; have {[r.name for r in self.rows]}")
+
+    def table(self) -> str:
+        """A text table of the candidates (ms per step, MB on the wire) and the choice."""
+        lines = [
+            f"exchange policy over {self.n} workers: {self.name} ({self.reason})",
+            f"{'candidate':<14}{'measured ms':>12}{'predicted ms':>14}{'MB/step':>10}"
+            f"{'ratio':>8}  note",
+        ]
+        for r in self.rows:
+            mark = "<- chosen" if r.name == self.name else r.excluded
+            pred = "-" if math.isnan(r.predicted_s) else f"{r.predicted_s * 1e3:.2f}"
+            lines.append(
+                f"{r.name:<14}{r.seconds * 1e3:>12.2f}{pred:>14}{r.wire_bytes / 1e6:>10.3f}"
+                f"{r.ratio:>8.1f}  {mark}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def drifted(self, step_s: float, compute_s: float, tolerance: float = 0.2) -> bool:
+        """Whether a measured step time left the prediction by more than ``tolerance``.
+
+        ``step_s``: a measured training step with the chosen exchange;
+        ``compute_s``: the same step with no communication. The prediction is
+        ``compute_s`` + the chosen candidate's measured cost. True: the link
+        or the load changed; call :func:`choose` again with ``refresh=True``.
+        """
+        predicted = compute_s + self.row(self.name).seconds
+        if not predicted > 0:
+            raise ValueError(f"compute_s: the predicted step must be > 0, got {predicted}")
+        return abs(step_s - predicted) > tolerance * predicted
+
+
+_CACHE: dict[Any, dict[str, float]] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached :func:`measure` result of this process."""
+    _CACHE.clear()
+
+
+def _program(mesh, axis_name, params, tx: optax.GradientTransformation | None):
+    """Compiled: draw a per-worker gradient like ``params``, run ``tx`` (None: nothing)."""
+    leaves, treedef = jax.tree.flatten(params)
+
+    def body(key):
+        key = jax.random.fold_in(key, collectives.axis_index(axis_name))
+        keys = jax.random.split(key, len(leaves))
+        g = [jax.random.normal(k, jnp.shape(p), jnp.result_type(p)) for k, p in zip(keys, leaves)]
+        g = treedef.unflatten(g)
+        if tx is not None:
+            g, _ = tx.update(g, tx.init(params), params)
+        total = sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(g))
+        return total[None]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)
+    key = jax.random.key(0)
+    compiled = jax.jit(fn).lower(key).compile()
+    compiled(key).block_until_ready()  # warm-up
+    return compiled, key
+
+
+def _time(programs, repeats: int) -> list[float]:
+    best = [math.inf] * len(programs)
+    for _ in range(repeats):  # a round times each program once: load spreads over all
+        for i, (compiled, key) in enumerate(programs):
+            start = time.perf_counter()
+            compiled(key).block_until_ready()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return calibrate.slowest_process(best)
+
+
+def _check_candidates(candidates) -> tuple[Candidate, ...]:
+    cands = tuple(candidates)
+    if not cands or not all(isinstance(c, Candidate) for c in cands):
+        raise TypeError(
+            f"candidates: expected a non-empty sequence of Candidate, got {candidates!r}"
+        )
+    names = [c.name for c in cands]
+    if "dense" not in names:
+        raise ValueError(f"candidates: must include one named 'dense' (the reference); got {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidates: names must be unique, got {names}")
+    return cands
+
+
+def _check_options(margin, max_ratio, repeats) -> None:
+    checks.check_float(margin, "margin", low=0, strict=False, high=1, high_strict=True)
+    if max_ratio is not None:
+        checks.check_float(max_ratio, "max_ratio", low=1, strict=False)
+    checks.check_int(repeats, "repeats", 1)
+
+
+def decide(rows: Sequence[Row], margin: float) -> tuple[str, str]:
+    """The chosen name and why, from measured rows (one named ``"dense"``).
+
+    The eligible compressed candidate of least cost, if that cost is at most
+    ``(1 - margin)`` x dense's; otherwise dense.
+    """
+    _check_options(margin, None, 1)
+    ref = next(r for r in rows if r.name == "dense")
+    eligible = [r for r in rows if not r.excluded and r.name != "dense"]
+    best = min(eligible, key=lambda r: r.seconds, default=None)
+    if best is None:
+        return "dense", "no compressed candidate is eligible"
+    if best.seconds <= (1 - margin) * ref.seconds:
+        gain = ref.seconds / max(best.seconds, 1e-9)
+        return best.name, f"{gain:.1f}x less exchange time than dense"
+    return "dense", (
+        f"the fastest compressed candidate, {best.name}, is not {margin:.0%} faster than dense"
+    )
+
+
+def measure(
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    *,
+    candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+    repeats: int = 5,
+    refresh: bool = False,
+) -> dict[str, float]:
+    """Seconds each candidate's exchange adds to a step, measured on ``mesh`` (cached).
+
+    One compiled ``shard_map`` program per candidate draws a per-worker
+    gradient shaped like ``params`` and runs the candidate's ``init`` and
+    ``update``; a baseline program only draws it. ``repeats`` rounds time
+    every program once each; a candidate's cost is its minimum minus the
+    baseline's (floored at 0), at the slowest process. **Every process must
+    call it** with the same arguments.
+
+    Returns:
+      ``{candidate name: seconds}``.
+    """
+    cands = _check_candidates(candidates)
+    checks.check_int(repeats, "repeats", 1)
+    calibrate.axis_size(mesh, axis_name)
+    shapes = _shapes(params)
+    key = (
+        tuple(int(d.id) for d in mesh.devices.flat), axis_name, str(jax.tree.structure(shapes)),
+        tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
+        tuple(c.name for c in cands), repeats,
+    )  # fmt: skip
+    if key in _CACHE and not refresh:
+        return dict(_CACHE[key])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
+    times = _time(programs, repeats)
+    costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
+    _CACHE[key] = costs
+    return dict(costs)
+
+
+def _shapes(params: Any) -> Any:
+    return jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+
+
+def _build(cands, axis_name) -> list[optax.GradientTransformation]:
+    return [c.make(axis_name) for c in cands]
+
+
+def choose(
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    *,
+    candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+    margin: float = 0.1,
+    max_ratio: float | None = None,
+    calibration: calibrate.Calibration | None = None,
+    repeats: int = 5,
+    costs: dict[str, float] | None = None,
+    refresh: bool = False,
+) -> Choice:
+    """Measure every candidate's exchange of a gradient like ``params`` on ``mesh``; choose.
+
+    Multi-process: **every process must call it** with the same arguments
+    (the programs are collectives over the whole mesh); all get the same choice.
+
+    Args:
+      params: the parameters (or ``jax.ShapeDtypeStruct`` leaves) of one worker.
+      mesh: the ``jax.sharding.Mesh`` training runs on.
+      axis_name: its data-parallel axis, >= 2 devices.
+      candidates: :class:`Candidate` s to measure; one must be named ``"dense"``.
+      margin: a compressed candidate is chosen only if its cost is at most
+        ``(1 - margin)`` x dense's, in [0, 1).
+      max_ratio: the accuracy guard's cap: candidates whose wire bytes are
+        more than ``max_ratio`` times smaller than dense's are not chosen;
+        ``None``: no cap.
+      calibration: optional; adds each candidate's alpha-beta prediction.
+      repeats: timed rounds of :func:`measure`, >= 1.
+      costs: ``{name: seconds}`` measured before (e.g. a saved
+        :func:`measure`); ``None``: :func:`measure` now.
+      refresh: measure again even if this process has cached costs.
+
+    Returns:
+      A :class:`Choice` (``print(choice)`` shows the table).
+
+    Example:
+      >>> choice = jaxcomm.policy.choose(params, mesh, "data")
+      >>> print(choice)
+    """
+    cands = _check_candidates(candidates)
+    _check_options(margin, max_ratio, repeats)
+    n = calibrate.axis_size(mesh, axis_name)
+    if costs is None:
+        costs = measure(params, mesh, axis_name, candidates=cands, repeats=repeats,
+                        refresh=refresh)  # fmt: skip
+    missing = [c.name for c in cands if c.name not in costs]
+    if missing:
+        raise ValueError(f"costs: no seconds for candidates {missing}")
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _shapes(params))
+    reports = [accounting.wire_report(tx, zeros, n) for tx in _build(cands, axis_name)]
+    wire = [sum(c.nbytes for c in rep) for rep in reports]
+    dense_bytes = wire[[c.name for c in cands].index("dense")]
+    rows = []
+    for c, b, rep in zip(cands, wire, reports):
+        ratio = dense_bytes / b if b else math.inf
+        capped = max_ratio is not None and ratio > max_ratio
+        pred = calibrate.exchange_time(rep, calibration) if calibration is not None else math.nan
+        excluded = f"compresses {ratio:.0f}x > max_ratio {max_ratio:g}" if capped else ""
+        rows.append(Row(c.name, float(costs[c.name]), int(b), ratio, pred, excluded))
+    name, reason = decide(rows, margin)
+    return Choice(name, tuple(rows), n, reason)
+
+
+class WarmupState(NamedTuple):
+    """State of :func:`dense_warmup`: the step counter, dense's and the chosen transform's."""
+
+    count: jax.Array
+    dense: Any
+    chosen: Any
+
+
+def dense_warmup(
+    tx: optax.GradientTransformation, steps: int, axis_name: str
+) -> optax.GradientTransformation:
+    """The dense mean for the first ``steps`` steps, then ``tx`` (its state starts then).
+
+    Both branches are traced; the step counter decides which runs (every
+    worker agrees on it), so shapes stay static. ``steps=0`` returns ``tx``.
+    """
+    steps = checks.check_int(steps, "warmup_steps", 0)
+    if steps == 0:
+        return tx
+    ref = dense.allreduce(axis_name=axis_name)
+
+    def init_fn(params):
+        return WarmupState(jnp.zeros([], jnp.int32), ref.init(params), tx.init(params))
+
+    def update_fn(updates, state, params=None):
+        checks.check_state(state, WarmupState, "dense_warmup")
+
+        def warm(u, s):
+            out, d = ref.update(u, s.dense, params)
+            return out, s._replace(dense=d)
+
+        def after(u, s):
+            out, c = tx.update(u, s.chosen, params)
+            return out, s._replace(chosen=c)
+
+        out, new = sync.typed_cond(state.count < steps, warm, after, updates, state)
+        return out, new._replace(count=optax.safe_int32_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def auto(
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    axis_name: str,
+    *,
+    warmup_steps: int = 0,
+    candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
+    margin: float = 0.1,
+    max_ratio: float | None = None,
+    calibration: calibrate.Calibration | None = None,
+    repeats: int = 5,
+    costs: dict[str, float] | None = None,
+    log: Callable[[str], None] | None = print,
+) -> optax.GradientTransformation:
+    """The exchange :func:`choose` picks for ``params`` on ``mesh`` (never slower than dense).
+
+    Args:
+      params, mesh, axis_name, candidates, margin, max_ratio, calibration,
+        repeats, costs: see :func:`choose`.
+      warmup_steps: steps of dense exchange before the chosen one
+        (:func:`dense_warmup`), an int >= 0.
+      log: called with the choice's table (``None``: silent); only process 0 logs.
+
+    Returns:
+      An ``optax.GradientTransformation`` taking gradients and returning the
+      worker mean, as the chosen candidate does; chain an optimizer after it.
+
+    Example:
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> tx = optax.chain(jaxcomm.auto(params, mesh, "data"), optax.adamw(1e-3))
+    """
+    choice = choose(
+        params, mesh, axis_name, candidates=candidates, margin=margin, max_ratio=max_ratio,
+        calibration=calibration, repeats=repeats, costs=costs,
+    )  # fmt: skip
+    if log is not None and jax.process_index() == 0:
+        log(choice.table())
+    make = next(c.make for c in _check_candidates(candidates) if c.name == choice.name)
+    return dense_warmup(make(axis_name), warmup_steps, axis_name)

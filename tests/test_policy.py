@@ -1,0 +1,198 @@
+"""Tests for jaxcomm.policy: the measured choice, its guards, the warm-up and the transform.
+
+The choice is tested with candidates whose cost is known by construction: one
+that sends nothing (cheaper than any exchange), one that is dense plus
+deliberate extra work (dearer than dense). On 8 CPU devices the measured
+costs must order them so.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm import calibrate, netsim, policy
+from jaxcomm.policy import Candidate
+from tests import helpers
+
+PARAMS = {"w": jnp.zeros((256, 256)), "b": jnp.zeros((256,))}
+DENSE = Candidate("dense", lambda ax: jaxcomm.allreduce(axis_name=ax))
+LOCAL = Candidate("local", lambda ax: optax.identity())  # no exchange at all
+
+
+def _burn(rounds: int) -> optax.GradientTransformation:
+    """Costs ``rounds`` dependent passes over every leaf, returns the updates unchanged."""
+
+    def update(u, state, params=None):
+        def body(_, x):
+            return jnp.sin(x) * 0.5 + x * 0.5
+
+        extra = [jax.lax.fori_loop(0, rounds, body, x) for x in jax.tree.leaves(u)]
+        keep = sum(jnp.sum(e) for e in extra) * 0  # depends on the work; adds nothing
+        return jax.tree.map(lambda x: x + keep, u), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+SLOW = Candidate("slow", lambda ax: optax.chain(jaxcomm.allreduce(axis_name=ax), _burn(100)))
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    policy.clear_cache()
+    yield
+    policy.clear_cache()
+
+
+def test_measure_times_every_candidate_and_caches():
+    costs = policy.measure(PARAMS, helpers.mesh(), "data", candidates=(DENSE, SLOW, LOCAL),
+                           repeats=2)  # fmt: skip
+    assert sorted(costs) == ["dense", "local", "slow"]
+    assert all(math.isfinite(t) and t >= 0 for t in costs.values())
+    again = policy.measure(PARAMS, helpers.mesh(), "data", candidates=(DENSE, SLOW, LOCAL),
+                           repeats=2)  # fmt: skip
+    assert again == costs  # cached: not measured again
+
+
+def test_the_choice_follows_the_costs():
+    mesh = helpers.mesh()
+    cands = (DENSE, SLOW, LOCAL)
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands,
+                           costs={"dense": 3e-3, "slow": 9e-3, "local": 1e-4})  # fmt: skip
+    assert choice.name == "local" and choice.reason.startswith("30.0x less")
+    assert choice.row("dense").wire_bytes == 4 * (256 * 256 + 256)
+    assert choice.row("local").wire_bytes == 0 and choice.row("local").ratio == math.inf
+    assert "chosen" in choice.table().splitlines()[4]
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands,
+                           costs={"dense": 3e-3, "slow": 2e-3, "local": 2.9e-3})  # fmt: skip
+    assert choice.name == "slow"
+    with pytest.raises(ValueError, match=r"costs: no seconds for candidates \['local'\]"):
+        policy.choose(PARAMS, mesh, "data", candidates=cands, costs={"dense": 1, "slow": 1})
+
+
+def test_dense_wins_when_no_compressed_candidate_beats_it_by_the_margin():
+    choice = policy.choose(PARAMS, helpers.mesh(), "data", candidates=(DENSE, SLOW),
+                           costs={"dense": 3e-3, "slow": 2.8e-3})  # fmt: skip
+    assert choice.name == "dense"
+    assert choice.reason == "the fastest compressed candidate, slow, is not 10% faster than dense"
+
+
+def _row(name, seconds, excluded=""):
+    return policy.Row(name, seconds, 1, 1.0, math.nan, excluded)
+
+
+def test_decide_takes_the_cheapest_eligible_only_past_the_margin():
+    rows = [_row("dense", 10.0), _row("a", 8.0), _row("b", 9.5), _row("c", 1.0, "capped")]
+    assert policy.decide(rows, 0.1)[0] == "a"  # 8 <= 0.9 * 10; c is excluded
+    assert policy.decide(rows, 0.25)[0] == "dense"  # 8 > 0.75 * 10
+    assert policy.decide(rows, 0.2)[0] == "a"  # the bound is inclusive
+    assert policy.decide([_row("dense", 1.0), _row("a", 0.1, "x")], 0.0)[0] == "dense"
+    assert policy.decide([_row("dense", 1.0), _row("a", 1.0)], 0.0)[0] == "a"
+
+
+def test_max_ratio_excludes_a_candidate_that_compresses_too_much():
+    choice = policy.choose(PARAMS, helpers.mesh(), "data", candidates=(DENSE, LOCAL),
+                           max_ratio=10.0, costs={"dense": 1.0, "local": 0.0})  # fmt: skip
+    assert choice.name == "dense"
+    assert choice.row("local").excluded.startswith("compresses inf")
+    assert choice.row("dense").excluded == ""
+
+
+def test_the_prediction_is_the_calibrated_alpha_beta_time_of_the_wire_report():
+    link = netsim.Link.from_gbps(1.0, latency_s=50e-6)
+    cal = calibrate.Calibration(calibrate.KindLinks.uniform(link), 8, "data", ())
+    costs = {"dense": 1.0, "local": 0.0}
+    choice = policy.choose(PARAMS, helpers.mesh(), "data", candidates=(DENSE, LOCAL),
+                           calibration=cal, costs=costs)  # fmt: skip
+    s = 4 * (256 * 256 + 256)  # one fused bucket of fp32
+    ring = 2 * 7 * 50e-6 + 2 * 7 / 8 * s / 1.25e8  # 2(n-1)α + 2(n-1)/n·S/B
+    assert choice.row("dense").predicted_s == pytest.approx(ring, rel=1e-9)
+    assert choice.row("local").predicted_s == 0.0
+    plain = policy.choose(PARAMS, helpers.mesh(), "data", candidates=(DENSE, LOCAL), costs=costs)
+    assert math.isnan(plain.row("dense").predicted_s)
+
+
+def test_auto_returns_the_chosen_transform_with_its_updates():
+    params = {"w": jnp.zeros((64, 64))}
+    g = helpers.per_worker_grads(params, seed=3)
+    cands, costs = (DENSE, LOCAL), {"dense": 1.0, "local": 2.0}
+    tx = policy.auto(params, helpers.mesh(), "data", candidates=cands, costs=costs, log=None)
+    u, _ = helpers.shard_map_update(tx, g, helpers.stack(tx.init(params)))
+    np.testing.assert_allclose(u["w"], np.mean(np.asarray(g["w"]), axis=0), rtol=1e-6, atol=1e-7)
+    costs = {"dense": 1.0, "local": 0.5}
+    tx = policy.auto(params, helpers.mesh(), "data", candidates=cands, costs=costs, log=None)
+    u, _ = jax.vmap(tx.update)(g, helpers.stack(tx.init(params)))  # identity: no axis needed
+    np.testing.assert_array_equal(u["w"], g["w"])  # each worker's own gradient: nothing sent
+
+
+def test_auto_logs_the_table():
+    seen = []
+    policy.auto(PARAMS, helpers.mesh(), "data", candidates=(DENSE, LOCAL), log=seen.append,
+                costs={"dense": 1.0, "local": 0.0})  # fmt: skip
+    assert len(seen) == 1 and seen[0].startswith("exchange policy over 8 workers: local")
+
+
+def test_dense_warmup_averages_first_then_runs_the_chosen_transform_from_fresh_state():
+    params = {"w": jnp.zeros((48, 40))}
+    chosen = jaxcomm.topk(0.05, axis_name="data", min_size=0)  # error feedback on
+    tx = policy.dense_warmup(chosen, 2, "data")
+    state = helpers.stack(tx.init(params))
+    ref_state = helpers.stack(chosen.init(params))
+    for step in range(4):
+        g = helpers.per_worker_grads(params, seed=10 + step)
+        u, state = helpers.shard_map_update(tx, g, state)
+        if step < 2:
+            np.testing.assert_allclose(u["w"], np.mean(np.asarray(g["w"]), 0), rtol=1e-6,
+                                       atol=1e-7)  # fmt: skip
+        else:  # top-k from its initial state: the residual did not fill during warm-up
+            ref, ref_state = helpers.shard_map_update(chosen, g, ref_state)
+            np.testing.assert_array_equal(u["w"], ref["w"])
+    assert np.asarray(state.count).tolist() == [4] * 8
+    assert policy.dense_warmup(chosen, 0, "data") is chosen
+
+
+def test_drifted_compares_the_measured_step_with_compute_plus_the_chosen_cost():
+    rows = (policy.Row("dense", 0.010, 4, 1.0, math.nan, ""),)
+    choice = policy.Choice("dense", rows, 2, "")
+    assert not choice.drifted(0.035, compute_s=0.020)  # predicted 0.030: +17%
+    assert choice.drifted(0.037, compute_s=0.020)  # +23%
+    assert choice.drifted(0.023, compute_s=0.020)  # -23%
+    assert not choice.drifted(0.037, compute_s=0.020, tolerance=0.25)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"margin": 1.0}, r"margin: expected a .*float in \[0, 1\), got 1.0"),
+        ({"margin": -0.1}, r"margin: expected a .*float in \[0, 1\), got -0.1"),
+        ({"max_ratio": 0.5}, r"max_ratio: expected a .*float >= 1"),
+        ({"repeats": 0}, r"repeats: expected an int >= 1"),
+        ({"candidates": (LOCAL,)}, r"candidates: must include one named 'dense'"),
+        ({"candidates": (DENSE, DENSE)}, r"candidates: names must be unique"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        policy.choose(PARAMS, helpers.mesh(), "data", **kwargs)
+
+
+def test_bad_axis_and_warmup_name_themselves():
+    with pytest.raises(ValueError, match="axis_name: 'model' is not an axis of the mesh"):
+        policy.choose(PARAMS, helpers.mesh(), "model")
+    with pytest.raises(TypeError, match="candidates: expected a non-empty sequence"):
+        policy.choose(PARAMS, helpers.mesh(), "data", candidates=("dense",))
+    with pytest.raises(ValueError, match="warmup_steps: expected an int >= 0, got -1"):
+        policy.dense_warmup(optax.identity(), -1, "data")
+
+
+def test_the_default_candidates_run_and_dense_is_among_them():
+    choice = policy.choose(PARAMS, helpers.mesh(), "data", repeats=1)
+    names = [r.name for r in choice.rows]
+    assert names == [c.name for c in policy.DEFAULT_CANDIDATES] and "dense" in names
+    assert choice.name in names
+    # the compressed candidates put fewer bytes on the wire than dense
+    assert all(r.ratio > 1.5 for r in choice.rows if r.name != "dense")
