@@ -64,6 +64,7 @@ COMPRESSORS = (
     "dgc",
     "dgc_sgd",
     "powersgd",
+    "auto",  # jaxcomm.auto: measured on the run's mesh when training starts
 )
 # optax's, optax.contrib's Muon (MuLoCo's inner optimizer under wrapper "diloco") and
 # jaxcomm.demo (DeMo communicates itself: compressor "allreduce", wrapper "none")
@@ -160,8 +161,20 @@ def learning_rate(
     )
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Compose ``config.compressor`` with ``config.optimizer`` per policy and wrapper."""
+def make_optimizer(
+    config: ml_collections.ConfigDict,
+    params: Any = None,
+    mesh: Any = None,
+    costs: dict[str, float] | None = None,
+) -> optax.GradientTransformation:
+    """Compose ``config.compressor`` with ``config.optimizer`` per policy and wrapper.
+
+    ``compressor.name="auto"`` (:func:`jaxcomm.auto`, its keyword arguments from
+    ``compressor.kwargs``: margin, max_ratio, warmup_steps, repeats) measures its
+    candidates on ``mesh`` with one worker's ``params`` (or decides from ``costs``
+    measured before: a resumed run replays its first choice); without them
+    (validation, before any data is read) the dense all-reduce stands in.
+    """
     comp_name = _choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
     opt_name = _choice(config.optimizer.name, "config.optimizer.name", OPTIMIZERS)
     wrapper = _choice(config.wrapper.name, "config.wrapper.name", WRAPPERS)
@@ -200,7 +213,13 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             )
     factory = getattr(jaxcomm, comp_name)
     try:
-        if comp_name == "dgc_sgd":
+        if comp_name == "auto" and params is None:
+            comm = jaxcomm.allreduce(axis_name=AXIS)  # validation: the choice needs the mesh
+        elif comp_name == "auto":
+            lead = jax.process_index() == 0
+            log = print if lead else None
+            comm = jaxcomm.auto(params, mesh, AXIS, **comp_kwargs, costs=costs, log=log)
+        elif comp_name == "dgc_sgd":
             kwargs = _factory_kwargs(jaxcomm.dgc, comp_kwargs, config.seed)
             chained = jaxcomm.dgc_sgd(lr, **kwargs)
             comm = None
@@ -673,6 +692,29 @@ def _read_metrics(path: str, upto: int) -> list[dict]:
     return [r for r in rows if r["step"] <= upto]
 
 
+def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
+    """The optimizer with jaxcomm.auto's choice; ``workdir/auto_choice.json`` records it.
+
+    A run resuming in ``workdir`` decides from the recorded costs, so the choice
+    (and with it the optimizer state's layout) is the one its checkpoints hold.
+    """
+    path = os.path.join(workdir, "auto_choice.json")
+    costs = None
+    if os.path.exists(path):
+        with open(path) as f:
+            costs = {r["name"]: r["seconds"] for r in json.load(f)["rows"]}
+    tx = make_optimizer(config, params, mesh, costs)
+    kw = {k: v for k, v in config.compressor.kwargs.items() if k != "warmup_steps"}
+    choice = jaxcomm.policy.choose(params, mesh, AXIS, **kw, costs=costs)  # cached costs
+    if lead and costs is None:
+        os.makedirs(workdir, exist_ok=True)
+        rows = [r._asdict() for r in choice.rows]
+        with open(path + ".tmp", "w") as f:
+            json.dump({"choice": choice.name, "reason": choice.reason, "rows": rows}, f, indent=1)
+        os.replace(path + ".tmp", path)
+    return tx
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Result:
     """Train per ``config``; write checkpoints, metrics.jsonl and metrics.png to ``workdir``."""
     tx = validate(config)
@@ -691,6 +733,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     params, stats = variables["params"], variables.get("batch_stats", {})
     mesh = distributed.global_mesh(AXIS, n)
     lead = jax.process_index() == 0  # only process 0 evaluates, writes metrics and plots
+    if config.compressor.name == "auto":  # measured on this mesh, now that it exists
+        tx = _auto_optimizer(config, params, mesh, workdir, lead)
 
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
     state = TrainState(

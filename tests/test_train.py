@@ -411,3 +411,24 @@ def test_digits_runs_the_harness_step_bit_for_bit_as_its_former_loop(case, digit
         tx, steps=6, eval_every=3, model=model, hidden=32, split=digits_split
     ).result
     assert_bit_equal(ref, (res.params, res.opt_state))
+
+
+def test_auto_records_its_choice_and_a_resumed_run_replays_it(tmp_path):
+    import json
+
+    config = tiny(digits_mlp.get_config("auto"), steps=2, per_call=1)
+    config.compressor.kwargs = {"repeats": 1}
+    first = train.train_and_evaluate(config, str(tmp_path / "a"))
+    record = json.loads((tmp_path / "a" / "auto_choice.json").read_text())
+    rows = {r["name"]: r for r in record["rows"]}
+    assert record["choice"] in rows and set(rows) >= {"dense", "topk_1pct"}
+    assert first.metrics[0]["wire_bytes"] == rows[record["choice"]]["wire_bytes"]
+    # recorded costs that make another candidate the choice: the run decides from them
+    other = "topk_1pct" if record["choice"] != "topk_1pct" else "int8_ef"
+    for name, row in rows.items():
+        row["seconds"] = 0.0 if name == other else 1.0
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "auto_choice.json").write_text(json.dumps(record))
+    second = train.train_and_evaluate(config, str(tmp_path / "b"))
+    assert second.metrics[0]["wire_bytes"] == rows[other]["wire_bytes"]
+    assert rows[other]["wire_bytes"] != rows[record["choice"]]["wire_bytes"]

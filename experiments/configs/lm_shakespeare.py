@@ -87,6 +87,8 @@ VARIANTS: dict[str, dict] = {
         ),
         "wrapper": ("streaming_diloco", EVERY, STREAM),
     },
+    # jaxcomm.auto: the candidate exchange measured cheapest on the run's mesh (dense on ties)
+    "auto": {"compressor": ("auto", {})},
     # SparseLoCo: the same AdamW inside; outer top-64 of every 4096-entry chunk (1.6%), 2-bit
     # codes, error feedback (decay 0.95) in place of outer momentum, outer step 1.0
     "sparseloco": {
