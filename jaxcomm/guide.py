@@ -784,6 +784,46 @@ calibrated on loopback, predicts each step time. Results in
 seed per cell; the LM study (`experiments/studies/lm.py`) runs several and
 follows the rules of `experiments/studies/verdict.py`.
 
+# Is compression worth it here? `jaxcomm.auto` and `experiments.advise`
+
+Whether a compressor pays depends on the link, the model and the backend:
+on a fast link its encode and decode cost more than the bytes it saves.
+`jaxcomm.auto` settles it on your own mesh, once, before training:
+
+```python
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+tx = optax.chain(jaxcomm.auto(params, mesh, "data", warmup_steps=100), optax.adamw(1e-3))
+```
+
+It compiles one small `shard_map` program per candidate
+(`jaxcomm.policy.DEFAULT_CANDIDATES`: dense, bf16 words, PowerSGD rank 4,
+int8 and top-k 1% with error feedback), each drawing a per-worker gradient
+shaped like `params` and exchanging it, plus a baseline that exchanges
+nothing; a candidate's cost is its time minus the baseline's (the slowest
+process's, so every process chooses alike). The cheapest wins, but a
+compressed candidate must beat dense by `margin` (default 10%: a tie goes to
+dense) and may not compress more than `max_ratio`; `warmup_steps` runs the
+dense mean first. The table is printed; `jaxcomm.policy.choose` returns it as
+a `Choice` (`choice.drifted(step_s, compute_s)` says when a measured step
+left the prediction by more than 20%: call `choose(..., refresh=True)`), and
+`choose(..., costs=...)` decides from costs measured before. The harness's
+`compressor.name="auto"` records the costs in `workdir/auto_choice.json`, and
+a resumed run decides from them (the checkpoint's state layout is the
+choice's).
+
+```bash
+python -m experiments.advise --config=experiments/configs/lm_shakespeare.py
+python -m experiments.launch --processes=2 --rate=10mbit -- \
+    python -m experiments.advise --config=experiments/configs/digits_mlp.py
+```
+
+prints the calibrated link (`jaxcomm.calibrate`: alpha and bandwidth per
+collective kind), the step with no exchange, each candidate's measured cost,
+predicted step time and alpha-beta prediction, and the recommendation with
+its reason. `experiments/bench/auto.py` runs dense, `auto` and fixed methods
+side by side on shaped links and checks the predictions against measured
+steps (`experiments/results/auto.md`).
+
 # Side by side with PyTorch DDP comm hooks (`experiments/bench/peers.py`)
 
 ```bash
@@ -1034,14 +1074,16 @@ top-k break-even, measured against predicted step times from
       accounting.py    wire_bytes / wire_report / traffic_bytes; collective bytes in HLO
       netsim.py        alpha-beta cost model, step-time model, what-if analysis
       calibrate.py     per-kind alpha/beta measured on the user's mesh
+      policy.py        auto / choose / measure: the exchange measured cheapest on the mesh
       distributed.py   jax.distributed start-up, global mesh, per-process data
       parallel.py      data_parallel / init_state: the data-parallel step helper
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
     experiments/       main.py + train.py (the harness) + configs/ (their variants are the
-                       method registry); digits.py (train.py's step on digits, any tx);
+                       method registry); advise.py (is compression worth it here?);
+                       digits.py (train.py's step on digits, any tx);
                        examples/ (nnx and linen loops); bench/ (benchmarks: timings,
-                       threshold_fill, whatif, sync_sweep, overlap, torch_peers: PyTorch
+                       threshold_fill, whatif, sync_sweep, overlap, auto, torch_peers: PyTorch
                        DDP twins);
                        launch.py, netlab/ (real processes, shaped links); studies/ (the
                        comparison job and its time axis, the LM study, the MLP netstudy,

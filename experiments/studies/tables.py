@@ -54,13 +54,21 @@ def _overlap() -> str:
     return overlap.report(_load("overlap.json"))
 
 
+def _auto() -> str:
+    from experiments.bench import auto
+
+    return auto.report(_load("auto.json"))
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "auto": _auto,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
     "overlap": _overlap,
 }
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
+    "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),

@@ -1,0 +1,147 @@
+r"""Is compression worth it here? Predicted step time of each exchange on this mesh, and a choice.
+
+Command (one process, 8 fake CPU devices; or under ``experiments.launch`` on real links):
+  python -m experiments.advise --config=experiments/configs/lm_shakespeare.py
+  python -m experiments.launch --processes=2 --rate=10mbit -- \
+      python -m experiments.advise --config=experiments/configs/digits_mlp.py --out=advice.json
+
+For the config's model and the current mesh it
+
+1. calibrates the link (:func:`jaxcomm.calibrate.calibrate`: alpha and
+   bandwidth of each collective kind) and prints the table;
+2. times the config's training step with **no** exchange (the base optimizer
+   alone, every worker on its own batch): ``compute_s``;
+3. measures what each candidate exchange of :mod:`jaxcomm.policy` adds to a
+   step on this mesh (:func:`jaxcomm.policy.measure`) and its alpha-beta
+   prediction from the calibration;
+4. prints each candidate's predicted step time, ``compute_s`` + its measured
+   cost, and the recommendation :func:`jaxcomm.auto` would make, with the reason.
+
+``--out`` writes all of it as JSON (``experiments/bench/auto.py`` compares the
+predictions with measured training steps).
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments import data as data_lib
+from experiments import models, train
+from jaxcomm import calibrate, distributed, policy
+
+FLAGS = flags.FLAGS
+
+
+def _base_optimizer(config) -> optax.GradientTransformation:
+    """The config's optimizer with no exchange (optax's; SGD for the jaxcomm-only ones)."""
+    name = config.optimizer.name
+    kwargs = dict(config.optimizer.get("kwargs", {}))
+    if name in ("sgd", "adam", "adamw"):
+        return getattr(optax, name)(train.learning_rate(config), **kwargs)
+    return optax.sgd(train.learning_rate(config))
+
+
+def compute_step_s(config, model, params, stats, mesh, ds, calls: int = 3) -> float:
+    """Seconds per training step with no exchange: the config's step, timed per call."""
+    n = mesh.shape[train.AXIS]
+    tx = _base_optimizer(config)
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
+    state = train.TrainState(
+        jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
+    )
+    state = distributed.shard_rows(state, mesh, train.AXIS)
+    x, y = distributed.shard_rows((ds.x_train, ds.y_train), mesh, train.AXIS)
+    call = train.make_train_call(model, tx, mesh, ds, config).lower(state, x, y).compile()
+    state, losses = call(state, x, y)  # warm-up
+    jax.block_until_ready(losses)
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        state, losses = call(state, x, y)
+        jax.block_until_ready(losses)
+        best = min(best, time.perf_counter() - start)
+    (best,) = calibrate.slowest_process([best])
+    return best / config.steps_per_call
+
+
+def advise(config, repeats: int = 5) -> dict:
+    """Calibration, no-exchange step, each candidate's cost and predicted step, the choice."""
+    train.validate(config)
+    n = train.n_workers_of(config)
+    ds = data_lib.load(config.data, n, seed=config.seed)
+    kwargs = dict(config.model.get("kwargs", {}))
+    if not ds.is_lm:
+        kwargs["num_classes"] = ds.num_classes
+    model = models.build(config.model.name, **kwargs)
+    variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
+    params, stats = variables["params"], variables.get("batch_stats", {})
+    mesh = distributed.global_mesh(train.AXIS, n)
+    cal = calibrate.calibrate(mesh, train.AXIS)
+    compute_s = compute_step_s(config, model, params, stats, mesh, ds)
+    costs = policy.measure(params, mesh, train.AXIS, repeats=repeats)
+    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs)
+    rows = [
+        dict(r._asdict(), predicted_step_s=compute_s + r.seconds,
+             model_step_s=compute_s + r.predicted_s)
+        for r in choice.rows
+    ]  # fmt: skip
+    return {
+        "n": n,
+        "calibration": cal.table(),
+        "compute_s": compute_s,
+        "choice": choice.name,
+        "reason": choice.reason,
+        "rows": rows,
+        "table": choice.table(),
+    }
+
+
+def render(result: dict) -> str:
+    lines = [
+        result["calibration"],
+        "",
+        f"step with no exchange: {result['compute_s'] * 1e3:.2f} ms",
+    ]
+    lines.append(f"{'exchange':<14}{'+ms':>9}{'predicted step ms':>19}{'alpha-beta ms':>15}")
+    for r in result["rows"]:
+        lines.append(
+            f"{r['name']:<14}{r['seconds'] * 1e3:>9.2f}{r['predicted_step_s'] * 1e3:>19.2f}"
+            f"{r['model_step_s'] * 1e3:>15.2f}"
+        )
+    lines.append(f"recommendation: {result['choice']} ({result['reason']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    distributed.initialize()
+    result = advise(FLAGS.config, FLAGS.repeats)
+    if jax.process_index() == 0:
+        print(render(result), flush=True)
+        if FLAGS.out:
+            with open(FLAGS.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
+    flags.DEFINE_integer("repeats", 5, "timed rounds of each candidate")
+    flags.DEFINE_string("out", "", "also write the advice as JSON here")
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

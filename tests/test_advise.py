@@ -1,0 +1,34 @@
+"""experiments.advise on 8 CPU devices: its rows compose as documented; its choice is policy's."""
+
+import pytest
+
+from experiments import advise
+from experiments.configs import digits_mlp
+from jaxcomm import policy
+
+
+@pytest.fixture(scope="module")
+def advice():
+    config = digits_mlp.get_config("dense")
+    config.model.kwargs = {"hidden": 32, "depth": 1}
+    config.steps_per_call = 5
+    policy.clear_cache()
+    return advise.advise(config, repeats=1)
+
+
+def test_each_predicted_step_is_the_no_exchange_step_plus_the_measured_cost(advice):
+    assert advice["compute_s"] > 0 and advice["n"] == 8
+    names = [r["name"] for r in advice["rows"]]
+    assert names == [c.name for c in policy.DEFAULT_CANDIDATES]
+    for r in advice["rows"]:
+        assert r["seconds"] >= 0
+        assert r["predicted_step_s"] == advice["compute_s"] + r["seconds"]
+        assert r["model_step_s"] == advice["compute_s"] + r["predicted_s"]
+        assert r["predicted_s"] > 0  # every candidate here communicates
+
+
+def test_the_recommendation_is_policys_decision_on_the_same_rows(advice):
+    rows = [policy.Row(**{k: r[k] for k in policy.Row._fields}) for r in advice["rows"]]
+    assert policy.decide(rows, 0.1) == (advice["choice"], advice["reason"])
+    text = advise.render(advice)
+    assert "all_reduce" in text and f"recommendation: {advice['choice']}" in text
