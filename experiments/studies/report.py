@@ -23,9 +23,28 @@ OPTIMIZER = {  # what each method's update is, beside the shared AdamW + warm-up
     "streaming": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
     "streaming_int8": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
     "streaming_q4": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "sparseloco": "AdamW inner, outer step 1 on top-k + 2-bit codes with EF (H=10)",
+    "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
+    "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
 }
 # methods that are optimizers: their own dense baseline
-COUNTERPART = {m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4")}
+COUNTERPART = {m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4",
+                                         "sparseloco", "muloco")}  # fmt: skip
+
+
+def peak_factor(method: str) -> float:
+    """Peak bytes of one step / mean bytes per step, from the method's config variant.
+
+    Methods that sync every ``H`` steps send everything at once (``H``); Streaming
+    DiLoCo sends one of ``P`` fragments ``P`` times per ``H`` steps (``H / P``).
+    """
+    from experiments.configs import lm_shakespeare
+
+    v = lm_shakespeare.VARIANTS[method]
+    if "wrapper" not in v:
+        return 1.0
+    name, every, *more = v["wrapper"]
+    return every / (more[0].get("fragments", 1) if more else 1)
 
 
 def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:
@@ -149,7 +168,7 @@ def lm_markdown(results: dict) -> str:
             f"{len(t['dense_first_steps'])} seeds, × = dense's median / the method's "
             "(shaped links: the seed's steps to target at the step time measured on that link):",
             "",
-            "| method | MB/step | final val loss, median (min–max) | "
+            "| method | MB/step (peak) | final val loss, median (min–max) | "
             + " | ".join(RATE_NAMES[r] for r in v["rates"])
             + " |",
             "|---|---|---|" + "---|" * len(v["rates"]),
@@ -160,7 +179,8 @@ def lm_markdown(results: dict) -> str:
             links = row["links"]
             cells = [_time_cell(links[r], m) if r in links else "" for r in v["rates"]]
             lines.append(
-                f"| {m} | {row['mb_per_step']:.2f} | {f['median']:.4f} "
+                f"| {m} | {row['mb_per_step']:.2f} ({row['mb_per_step'] * peak_factor(m):.1f}) "
+                f"| {f['median']:.4f} "
                 f"({f['min']:.4f}–{f['max']:.4f}){mark} | " + " | ".join(cells) + " |"
             )
         lines += [

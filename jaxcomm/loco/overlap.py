@@ -77,6 +77,7 @@ class Overlap:
         self.step_count: int | None = None  # inner steps done, on the host
         self._flight: dict[int, tuple[threading.Thread, list]] = {}
         self._programs: dict[int, Callable] = {}
+        self._members: list[list[int]] | None = None  # leaf indices per fragment, found once
         self.wait_s = 0.0  # host seconds spent waiting for exchanges to land (not hidden)
 
     def step(self, fn: Callable, params: Any, opt_state: Any, *args: Any) -> tuple:
@@ -133,9 +134,15 @@ class Overlap:
                 )
         return self._programs[f]
 
+    def _fragment(self, f: int, params: Any) -> list[int]:
+        """Leaf indices of fragment ``f`` (the split depends only on the shapes: computed once)."""
+        if self._members is None:
+            self._members = self.rule.members(self._worker_params(params))
+        return self._members[f]
+
     def _start(self, f: int, params: Any, opt_state: Any) -> None:
         state = _state(opt_state)
-        m = self.rule.members(self._worker_params(params))[f]
+        m = self._fragment(f, params)
         params_leaves, anchor_leaves = jax.tree.leaves(params), jax.tree.leaves(state.anchor)
         local = [params_leaves[j] for j in m]
         anchor = [anchor_leaves[j] for j in m]
@@ -158,7 +165,7 @@ class Overlap:
         anchor_f, outer_f, comp_f = box[0]
         state = _state(opt_state)
         leaves, treedef = jax.tree.flatten(state.anchor)
-        m = self.rule.members(self._worker_params(state.anchor))[f]
+        m = self._fragment(f, state.anchor)
         for j, x in zip(m, anchor_f):
             leaves[j] = x
         replace = lambda t, x: t[:f] + (x,) + t[f + 1 :]
