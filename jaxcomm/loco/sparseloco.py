@@ -20,6 +20,20 @@ The codec (one ``(nc, chunk)`` block per leaf, ``nc = ceil(d / chunk)``):
 
 All of a worker's payload (every leaf) travels as one uint32 buffer in one
 all-gather per synchronisation.
+
+Where this differs from the authors' released code (as read in a port of
+its optimizer and in the same group's production trainer; the paper's own
+repository was not available to check): that code tiles 2-D leaves into
+blocks of up to 64 x 64 (here: flat runs of ``chunk`` entries); it quantises
+the kept values with one shift and scale per *leaf* from their mean and
+standard deviation and decodes each code to its bin's centroid (here: a
+max-magnitude scale per chunk and uniform levels); and it averages each
+index over the workers that sent it (here: over all workers, the mean of
+Algorithm 1). The error-feedback rule, the plain outer step and the defaults
+``error_decay = 0.95``, 64 kept of 4,096 (1.6%), 2 bits and
+``outer_learning_rate = 1`` are the same; with ``outer_learning_rate != 1``
+that code also scales the buffer's input by it (a squared step), this one
+does not.
 """
 
 import itertools
