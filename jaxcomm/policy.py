@@ -48,6 +48,7 @@ from jaxcomm.compressors import dense, powersgd, quantize, sparse
 
 __all__ = [
     "DEFAULT_CANDIDATES",
+    "DROP_FACTOR",
     "Candidate",
     "Choice",
     "Row",
@@ -56,6 +57,7 @@ __all__ = [
     "clear_cache",
     "decide",
     "measure",
+    "time_programs",
     "dense_warmup",
 ]
 
@@ -179,14 +181,33 @@ def _program(mesh, axis_name, params, tx: optax.GradientTransformation | None):
     return compiled, key
 
 
-def _time(programs, repeats: int) -> list[float]:
+#: After a round, a candidate slower than this many times the fastest one is timed no more
+#: (it cannot be chosen; on a slow link a dense exchange is then timed once, not ``repeats`` times).
+DROP_FACTOR = 3.0
+
+
+def time_programs(programs, repeats: int) -> list[float]:
+    """Minimum seconds of each ``(compiled, arg)`` program (index 0 the baseline), slowest process.
+
+    ``compiled(arg)`` must return something with ``block_until_ready()``.
+
+    A round times every program still in play once (load spreads over all). After
+    each round the processes agree on the times, and candidates slower than
+    :data:`DROP_FACTOR` x the fastest candidate leave play: every process drops
+    the same ones, so all run the same collectives.
+    """
     best = [math.inf] * len(programs)
-    for _ in range(repeats):  # a round times each program once: load spreads over all
-        for i, (compiled, key) in enumerate(programs):
+    playing = list(range(len(programs)))
+    for _ in range(repeats):
+        for i in playing:
+            compiled, key = programs[i]
             start = time.perf_counter()
             compiled(key).block_until_ready()
             best[i] = min(best[i], time.perf_counter() - start)
-    return calibrate.slowest_process(best)
+        best = calibrate.slowest_process(best)
+        fastest = min(best[1:])
+        playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
+    return best
 
 
 def _check_candidates(candidates) -> tuple[Candidate, ...]:
@@ -264,7 +285,7 @@ def measure(
         return dict(_CACHE[key])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
-    times = _time(programs, repeats)
+    times = time_programs(programs, repeats)
     costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
     _CACHE[key] = costs
     return dict(costs)

@@ -7,6 +7,7 @@ costs must order them so.
 """
 
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +197,25 @@ def test_the_default_candidates_run_and_dense_is_among_them():
     assert choice.name in names
     # the compressed candidates put fewer bytes on the wire than dense
     assert all(r.ratio > 1.5 for r in choice.rows if r.name != "dense")
+
+
+class _Sleeper:
+    """A stand-in program: sleeps ``s`` seconds per call and counts its calls."""
+
+    def __init__(self, s):
+        self.s, self.calls = s, 0
+
+    def __call__(self, arg):
+        self.calls += 1
+        time.sleep(self.s)
+        return self
+
+    def block_until_ready(self):
+        return self
+
+
+def test_a_candidate_far_slower_than_the_fastest_is_timed_once():
+    base, fast, mid, slow = _Sleeper(0.0), _Sleeper(0.002), _Sleeper(0.003), _Sleeper(0.3)
+    best = policy.time_programs([(p, None) for p in (base, fast, mid, slow)], 4)
+    assert [p.calls for p in (base, fast, mid, slow)] == [4, 4, 4, 1]
+    assert best[3] >= 0.3 and best[1] >= 0.002 and len(best) == 4
