@@ -139,6 +139,8 @@ TESTED_ELSEWHERE = {
     "is typed per worker; NumPy reference, HLO bytes, NaN rule)",
     "onebit_adam": "tests/test_optim.py (identical updates typed per worker: the frozen "
     "variance is per-worker state, so shard_map needs out_specs=P('data'))",
+    "auto": "tests/test_policy.py (needs a mesh to measure on; returns one of the candidate "
+    "transforms, each in this registry, or dense_warmup over one)",
     "zero_one_adam": "tests/test_optim.py (per-worker updates on local steps; NumPy "
     "reference, HLO bytes, NaN rule)",
 }
