@@ -592,3 +592,37 @@ def test_reduce_scatter_refuses_leaves_that_do_not_shard():
     params = {"w": jnp.zeros((30, 50))}  # 30 rows on 8 workers
     with pytest.raises(ValueError, match=r"\['w'\] has shape \(30, 50\); its first dimension"):
         H.shard_map_update(tx, H.per_worker_grads(params), H.stack(tx.init(params)))
+
+
+# a 63-leaf tree: 42 matrices and 21 vectors, the shapes of a small transformer's leaves
+TREE63 = {f"l{i}": jnp.zeros((64 + i, 33)) if i % 3 else jnp.zeros((40 + i,)) for i in range(63)}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomm.int8(
+            axis_name=H.AXIS, key=jax.random.key(0), error_feedback=True, exchange="two_phase"
+        ),  # fmt: skip
+        lambda: jaxcomm.ef_sign(axis_name=H.AXIS, exchange="two_phase"),
+        lambda: jaxcomm.cast(axis_name=H.AXIS, exchange="two_phase", accumulate="all_gather"),
+        lambda: jaxcomm.twobit(axis_name=H.AXIS, exchange="two_phase"),
+    ],
+    ids=["int8", "ef_sign", "cast", "twobit"],
+)
+def test_two_phase_emits_one_operand_per_collective_for_a_63_leaf_tree(make):
+    """The program jaxcomm lowers: one all-reduce (the small dense leaves), one all-to-all
+    (phase 1) and one all-gather (phase 2 + the NaN flag), each with one operand.
+
+    (XLA:CPU then compiles the all-to-all into its tuple form, one operand per
+    destination: 8 here; that split is the backend's, not the program's.)
+    """
+    import re
+
+    tx = make()
+    g, state = H.per_worker_grads(TREE63), H.stack(tx.init(TREE63))
+    fn, sh = H.sharded(tx)
+    text = fn.lower(jax.device_put(g, sh), jax.device_put(state, sh)).as_text()
+    ops = re.findall(r'"stablehlo\.(all_reduce|all_to_all|all_gather)"\(([^)]*)\)', text)
+    assert sorted(kind for kind, _ in ops) == ["all_gather", "all_reduce", "all_to_all"]
+    assert [len(args.split(",")) for _, args in ops] == [1, 1, 1]
