@@ -70,16 +70,20 @@ class Candidate(NamedTuple):
 
 
 #: The candidates :func:`choose` measures unless told otherwise; every lossy one
-#: keeps error feedback (the accuracy guard) and leaves small leaves dense.
+#: keeps error feedback (the accuracy guard). They compress every leaf
+#: (``min_size=0``): a small leaf costs few bytes either way, and leaving it
+#: dense would add a collective whose latency dominates on a slow link.
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("dense", lambda ax: dense.allreduce(axis_name=ax)),
-    Candidate("bf16", lambda ax: dense.cast(jnp.bfloat16, axis_name=ax)),
+    Candidate("bf16", lambda ax: dense.cast(jnp.bfloat16, axis_name=ax, min_size=0)),
     Candidate("powersgd_r4", lambda ax: powersgd.powersgd(4, key=jax.random.key(0), axis_name=ax)),
     Candidate(
         "int8_ef",
-        lambda ax: quantize.int8(axis_name=ax, key=jax.random.key(0), error_feedback=True),
+        lambda ax: quantize.int8(
+            axis_name=ax, key=jax.random.key(0), error_feedback=True, min_size=0
+        ),
     ),  # fmt: skip
-    Candidate("topk_1pct", lambda ax: sparse.topk(0.01, axis_name=ax)),
+    Candidate("topk_1pct", lambda ax: sparse.topk(0.01, axis_name=ax, min_size=0)),
 )
 
 
