@@ -92,7 +92,7 @@ def advise(config, repeats: int = 5) -> dict:
     mesh = distributed.global_mesh(train.AXIS, n)
     cal = calibrate.calibrate(mesh, train.AXIS)
     compute_s = compute_step_s(config, model, params, stats, mesh, ds)
-    costs = policy.measure(params, mesh, train.AXIS, repeats=repeats)
+    costs = policy.measure(params, mesh, train.AXIS, repeats=repeats, drop=False)
     choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs)
     rows = [
         dict(r._asdict(), predicted_step_s=compute_s + r.seconds,

@@ -49,6 +49,7 @@ from jaxcomm.compressors import dense, powersgd, quantize, sparse
 __all__ = [
     "DEFAULT_CANDIDATES",
     "DROP_FACTOR",
+    "SAMPLE_S",
     "Candidate",
     "Choice",
     "Row",
@@ -190,27 +191,49 @@ def _program(mesh, axis_name, params, tx: optax.GradientTransformation | None):
 DROP_FACTOR = 3.0
 
 
-def time_programs(programs, repeats: int) -> list[float]:
-    """Minimum seconds of each ``(compiled, arg)`` program (index 0 the baseline), slowest process.
+#: Seconds one timed sample lasts at least: a sample runs a program this long back to back,
+#: so a link's burst allowance (a token bucket, a switch buffer) does not pass for its rate.
+SAMPLE_S = 0.05
 
-    ``compiled(arg)`` must return something with ``block_until_ready()``.
 
-    A round times every program still in play once (load spreads over all). After
-    each round the processes agree on the times, and candidates slower than
-    :data:`DROP_FACTOR` x the fastest candidate leave play: every process drops
-    the same ones, so all run the same collectives.
+def _calls_per_sample(programs) -> list[int]:
+    """Back-to-back calls per sample of each program: enough to last :data:`SAMPLE_S`."""
+    once = []
+    for compiled, key in programs:
+        start = time.perf_counter()
+        compiled(key).block_until_ready()
+        once.append(time.perf_counter() - start)
+    once = calibrate.slowest_process(once)  # every process makes the same calls
+    return [max(1, min(1000, math.ceil(SAMPLE_S / max(t, 1e-6)))) for t in once]
+
+
+def time_programs(programs, repeats: int, *, drop: bool = True) -> list[float]:
+    """Seconds per call of each ``(compiled, arg)`` program (index 0 the baseline).
+
+    ``compiled(arg)`` must return something with ``block_until_ready()``. A
+    sample dispatches the program back to back for at least :data:`SAMPLE_S`
+    and waits for the last call; the result is the least time per call over
+    ``repeats`` rounds, each round taking one sample of every program still
+    in play (load spreads over all), at the slowest process. With ``drop``,
+    after each round (the processes agree on the times first) candidates
+    slower than :data:`DROP_FACTOR` x the fastest leave play: every process
+    drops the same ones, so all run the same collectives.
     """
+    calls = _calls_per_sample(programs)
     best = [math.inf] * len(programs)
     playing = list(range(len(programs)))
     for _ in range(repeats):
         for i in playing:
             compiled, key = programs[i]
             start = time.perf_counter()
+            for _ in range(calls[i] - 1):
+                compiled(key)
             compiled(key).block_until_ready()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], (time.perf_counter() - start) / calls[i])
         best = calibrate.slowest_process(best)
         fastest = min(best[1:])
-        playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
+        if drop:
+            playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
     return best
 
 
@@ -262,6 +285,7 @@ def measure(
     *,
     candidates: Sequence[Candidate] = DEFAULT_CANDIDATES,
     repeats: int = 5,
+    drop: bool = True,
     refresh: bool = False,
 ) -> dict[str, float]:
     """Seconds each candidate's exchange adds to a step, measured on ``mesh`` (cached).
@@ -270,8 +294,10 @@ def measure(
     gradient shaped like ``params`` and runs the candidate's ``init`` and
     ``update``; a baseline program only draws it. ``repeats`` rounds time
     every program once each; a candidate's cost is its minimum minus the
-    baseline's (floored at 0), at the slowest process. **Every process must
-    call it** with the same arguments.
+    baseline's (floored at 0), at the slowest process (:func:`time_programs`;
+    ``drop=False`` keeps timing every candidate to the end, for predictions of
+    all of them rather than a choice). **Every process must call it** with the
+    same arguments.
 
     Returns:
       ``{candidate name: seconds}``.
@@ -283,13 +309,13 @@ def measure(
     key = (
         tuple(int(d.id) for d in mesh.devices.flat), axis_name, str(jax.tree.structure(shapes)),
         tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
-        tuple(c.name for c in cands), repeats,
+        tuple(c.name for c in cands), repeats, drop,
     )  # fmt: skip
     if key in _CACHE and not refresh:
         return dict(_CACHE[key])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
-    times = time_programs(programs, repeats)
+    times = time_programs(programs, repeats, drop=drop)
     costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
     _CACHE[key] = costs
     return dict(costs)

@@ -214,8 +214,13 @@ class _Sleeper:
         return self
 
 
-def test_a_candidate_far_slower_than_the_fastest_is_timed_once():
-    base, fast, mid, slow = _Sleeper(0.0), _Sleeper(0.002), _Sleeper(0.003), _Sleeper(0.3)
+def test_a_candidate_far_slower_than_the_fastest_leaves_after_one_round():
+    base, fast, mid, slow = _Sleeper(0.0), _Sleeper(0.02), _Sleeper(0.03), _Sleeper(0.3)
     best = policy.time_programs([(p, None) for p in (base, fast, mid, slow)], 4)
-    assert [p.calls for p in (base, fast, mid, slow)] == [4, 4, 4, 1]
-    assert best[3] >= 0.3 and best[1] >= 0.002 and len(best) == 4
+    # one call to size the samples, then samples of >= SAMPLE_S (0.05 s): 3 calls of 0.02 s,
+    # 2 of 0.03 s, 1 of 0.3 s; the slow one is sampled in round 1 only
+    assert [p.calls for p in (fast, mid, slow)] == [1 + 4 * 3, 1 + 4 * 2, 1 + 1]
+    assert best[3] >= 0.3 and best[1] >= 0.02 and len(best) == 4
+    slow.calls = 0
+    policy.time_programs([(p, None) for p in (base, fast, slow)], 4, drop=False)
+    assert slow.calls == 1 + 4

@@ -40,7 +40,8 @@ from experiments.studies import runs
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
 METHODS = ["dense", "bf16", "powersgd", "threshold", "ef_sign", "int8_2p", "diloco", "diloco_h1",
-           "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco", "demo"]  # fmt: skip
+           "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
+           "demo"]  # fmt: skip
 
 
 def define_flags() -> None:

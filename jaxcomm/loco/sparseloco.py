@@ -28,9 +28,10 @@ blocks of up to 64 x 64 (here: flat runs of ``chunk`` entries); it quantises
 the kept values with one shift and scale per *leaf* from their mean and
 standard deviation and decodes each code to its bin's centroid (here: a
 max-magnitude scale per chunk and uniform levels); and it averages each
-index over the workers that sent it (here: over all workers). The error-feedback rule, the plain outer step and the defaults
-``error_decay = 0.95``, 64 kept of 4,096 (1.6%), 2 bits and
-``outer_learning_rate = 1`` are the same; with ``outer_learning_rate != 1``
+index over the workers that sent it (here: over all workers). The
+error-feedback rule, the plain outer step and the defaults ``error_decay =
+0.95``, 64 kept of 4,096 (1.6%), 2 bits and ``outer_learning_rate = 1`` are
+the same; with ``outer_learning_rate != 1``
 that code also scales the buffer's input by it (a squared step), this one
 does not.
 """
