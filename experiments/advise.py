@@ -40,7 +40,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import data as data_lib
-from experiments import models, train
+from experiments import train
 from jaxcomm import calibrate, distributed, policy
 
 FLAGS = flags.FLAGS
@@ -83,12 +83,7 @@ def advise(config, repeats: int = 5) -> dict:
     train.validate(config)
     n = train.n_workers_of(config)
     ds = data_lib.load(config.data, n, seed=config.seed)
-    kwargs = dict(config.model.get("kwargs", {}))
-    if not ds.is_lm:
-        kwargs["num_classes"] = ds.num_classes
-    model = models.build(config.model.name, **kwargs)
-    variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
-    params, stats = variables["params"], variables.get("batch_stats", {})
+    model, params, stats = train.build_model(config, ds)
     mesh = distributed.global_mesh(train.AXIS, n)
     cal = calibrate.calibrate(mesh, train.AXIS)
     compute_s = compute_step_s(config, model, params, stats, mesh, ds)

@@ -692,6 +692,16 @@ def _read_metrics(path: str, upto: int) -> list[dict]:
     return [r for r in rows if r["step"] <= upto]
 
 
+def build_model(config: ml_collections.ConfigDict, ds: data_lib.Dataset) -> tuple:
+    """``(model, params, batch_stats)``: ``config.model`` for ``ds``, initialised from the seed."""
+    kwargs = dict(config.model.get("kwargs", {}))
+    if not ds.is_lm:
+        kwargs["num_classes"] = ds.num_classes
+    model = models.build(config.model.name, **kwargs)
+    variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
+    return model, variables["params"], variables.get("batch_stats", {})
+
+
 def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
     """The optimizer with jaxcomm.auto's choice; ``workdir/auto_choice.json`` records it.
 
@@ -725,12 +735,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
             f"config.data.batch_size: {config.data.batch_size} > {ds.x_train.shape[1]} examples "
             "per worker"
         )
-    model_kwargs = dict(config.model.get("kwargs", {}))
-    if not ds.is_lm:
-        model_kwargs["num_classes"] = ds.num_classes
-    model = models.build(config.model.name, **model_kwargs)
-    variables = model.init(jax.random.key(config.seed), ds.example_input(), train=False)
-    params, stats = variables["params"], variables.get("batch_stats", {})
+    model, params, stats = build_model(config, ds)
     mesh = distributed.global_mesh(AXIS, n)
     lead = jax.process_index() == 0  # only process 0 evaluates, writes metrics and plots
     if config.compressor.name == "auto":  # measured on this mesh, now that it exists

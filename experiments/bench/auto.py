@@ -136,10 +136,7 @@ def main(argv: list[str]) -> None:
     results["note"] = "\n\n".join(__doc__.split("\n\n")[2:])
 
     def save():
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(FLAGS.out + ".tmp", FLAGS.out)
+        runs.save_json(FLAGS.out, results)
 
     have = {(c["model"], c["rate"], c["method"]) for c in results["cells"]}
     for model in FLAGS.models:

@@ -116,10 +116,7 @@ def main(argv: list[str]) -> None:
     results.update(steps=FLAGS.steps, config=CONFIG, note=__doc__.split("\n\n")[1])
 
     def save():
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(FLAGS.out + ".tmp", FLAGS.out)
+        runs.save_json(FLAGS.out, results)
 
     have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
     probed = {(p["n"], p["rate"], p["method"]) for p in results["probes"]}

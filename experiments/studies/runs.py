@@ -29,3 +29,11 @@ def launched(argv: list[str], workdir: str, keep: Sequence[str]) -> dict:
         "process_wall_s": round(time.perf_counter() - t0, 2),
         "curve": [{k: r[k] for k in keep} for r in rows],
     }
+
+
+def save_json(path: str, obj: dict) -> None:
+    """Write ``obj`` to ``path`` as indented JSON, atomically (a study saves after every run)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
