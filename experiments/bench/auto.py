@@ -60,7 +60,7 @@ def define_flags() -> None:
     flags.DEFINE_list("lm_rates", ["loopback", "10mbit"], "links of the LM")
     flags.DEFINE_list("fixed", ["topk", "powersgd"], "fixed methods run beside dense and auto")
     flags.DEFINE_integer("lm_steps", 10, "steps of an LM cell (two calls)")
-    flags.DEFINE_integer("probe_steps", 25, "steps of a probed MLP cell")
+    flags.DEFINE_integer("probe_steps", 10, "steps of a probed MLP cell (two calls of half)")
     flags.DEFINE_float("max_run_s", 120.0, "longest full MLP run; slower cells are probed")
     flags.DEFINE_string("out", "experiments/results/auto.json", "JSON written and updated")
     flags.DEFINE_string("workroot", "runs/auto_bench", "workdirs")
@@ -88,8 +88,9 @@ def run_advise(model: str, rate: str) -> dict:
         return json.load(f)
 
 
-def run_cell(model: str, rate: str, method: str, steps: int) -> dict:
-    config, overrides, total, per_call = MODELS[model]
+def run_cell(model: str, rate: str, method: str, steps: int, per_call: int = 0) -> dict:
+    config, overrides, total, default_call = MODELS[model]
+    per_call = per_call or default_call
     workdir = os.path.join(FLAGS.workroot, model, rate, method)
     subprocess.run(["rm", "-rf", workdir], check=True)
     stop = [f"--config.stop_after={steps}"] if model == "lm" else [
@@ -150,13 +151,13 @@ def main(argv: list[str]) -> None:
             for method in ["dense", "auto", *FLAGS.fixed]:
                 if (model, rate, method) in have:
                     continue
-                steps = FLAGS.lm_steps if model == "lm" else total
+                steps, call = (FLAGS.lm_steps if model == "lm" else total), 0
                 probed = False
                 if model != "lm" and rate != "loopback" and method == "dense":
                     if _dense_step_estimate(results, model, rate) * total > FLAGS.max_run_s:
-                        steps, probed = FLAGS.probe_steps, True
+                        steps, call, probed = FLAGS.probe_steps, FLAGS.probe_steps // 2, True
                 cell = {"model": model, "rate": rate, "method": method, "probed": probed,
-                        **run_cell(model, rate, method, steps)}  # fmt: skip
+                        **run_cell(model, rate, method, steps, call)}  # fmt: skip
                 if model != "lm":
                     if rate == "loopback" and method == "dense":
                         results["targets"][model] = round(cell["curve"][-1]["accuracy"] - 0.01, 4)
