@@ -5,7 +5,7 @@ Whether compression pays depends on the link, the model and the backend
 they save). :func:`choose` settles it on the user's own mesh, in seconds:
 
 1. every candidate exchange (:data:`DEFAULT_CANDIDATES`: dense fp32, 16-bit
-   words, PowerSGD, top-k and int8 with error feedback) is built with the
+   words, PowerSGD rank 2, top-k and int8 with error feedback) is built with the
    user's ``axis_name`` and compiled into one small ``shard_map`` program
    that draws a per-worker gradient shaped like ``params`` and runs the
    candidate's ``init`` and ``update`` on it; a baseline program draws the
@@ -77,7 +77,7 @@ class Candidate(NamedTuple):
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
     Candidate("dense", lambda ax: dense.allreduce(axis_name=ax)),
     Candidate("bf16", lambda ax: dense.cast(jnp.bfloat16, axis_name=ax, min_size=0)),
-    Candidate("powersgd_r4", lambda ax: powersgd.powersgd(4, key=jax.random.key(0), axis_name=ax)),
+    Candidate("powersgd_r2", lambda ax: powersgd.powersgd(2, key=jax.random.key(0), axis_name=ax)),
     Candidate(
         "int8_ef",
         lambda ax: quantize.int8(
