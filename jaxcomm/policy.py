@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm import accounting, calibrate, checks, collectives, sync
@@ -207,7 +208,9 @@ def _calls_per_sample(programs) -> list[int]:
     return [max(1, min(1000, math.ceil(SAMPLE_S / max(t, 1e-6)))) for t in once]
 
 
-def time_programs(programs, repeats: int, *, drop: bool = True) -> list[float]:
+def time_programs(
+    programs, repeats: int, *, drop: bool = True, settle: Callable[[], Any] | None = None
+) -> list[float]:
     """Seconds per call of each ``(compiled, arg)`` program (index 0 the baseline).
 
     ``compiled(arg)`` must return something with ``block_until_ready()``. A
@@ -217,7 +220,11 @@ def time_programs(programs, repeats: int, *, drop: bool = True) -> list[float]:
     in play (load spreads over all), at the slowest process. With ``drop``,
     after each round (the processes agree on the times first) candidates
     slower than :data:`DROP_FACTOR` x the fastest leave play: every process
-    drops the same ones, so all run the same collectives.
+    drops the same ones, so all run the same collectives. ``settle()`` (untimed)
+    runs after each sample: a collective that returns only when the sample's
+    traffic has drained from the link (a process can finish a collective while
+    its last bytes to a peer still sit in a queue, and would charge them to the
+    next program).
     """
     calls = _calls_per_sample(programs)
     best = [math.inf] * len(programs)
@@ -230,11 +237,27 @@ def time_programs(programs, repeats: int, *, drop: bool = True) -> list[float]:
                 compiled(key)
             compiled(key).block_until_ready()
             best[i] = min(best[i], (time.perf_counter() - start) / calls[i])
+            if settle is not None:
+                jax.block_until_ready(settle())
         best = calibrate.slowest_process(best)
         fastest = min(best[1:])
         if drop:
             playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
     return best
+
+
+def _settle(mesh, axis_name) -> Callable[[], Any]:
+    """A scalar all-reduce over the mesh, compiled: it returns once every link has drained."""
+    fn = jax.shard_map(
+        lambda x: collectives.psum(x, axis_name), mesh=mesh, in_specs=P(axis_name),
+        out_specs=P(), check_vma=False,
+    )  # fmt: skip
+    n = calibrate.axis_size(mesh, axis_name)
+    x = jax.jit(
+        lambda: jnp.zeros((n,), jnp.float32), out_shardings=NamedSharding(mesh, P(axis_name))
+    )()
+    compiled = jax.jit(fn).lower(x).compile()
+    return lambda: compiled(x)
 
 
 def _check_candidates(candidates) -> tuple[Candidate, ...]:
@@ -315,7 +338,7 @@ def measure(
         return dict(_CACHE[key])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
-    times = time_programs(programs, repeats, drop=drop)
+    times = time_programs(programs, repeats, drop=drop, settle=_settle(mesh, axis_name))
     costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
     _CACHE[key] = costs
     return dict(costs)

@@ -221,6 +221,8 @@ def test_a_candidate_far_slower_than_the_fastest_leaves_after_one_round():
     # 2 of 0.03 s, 1 of 0.3 s; the slow one is sampled in round 1 only
     assert [p.calls for p in (fast, mid, slow)] == [1 + 4 * 3, 1 + 4 * 2, 1 + 1]
     assert best[3] >= 0.3 and best[1] >= 0.02 and len(best) == 4
-    slow.calls = 0
-    policy.time_programs([(p, None) for p in (base, fast, slow)], 4, drop=False)
+    slow.calls, settled = 0, []
+    policy.time_programs([(p, None) for p in (base, fast, slow)], 4, drop=False,
+                         settle=lambda: settled.append(1))  # fmt: skip
     assert slow.calls == 1 + 4
+    assert len(settled) == 3 * 4  # after every sample: the link drains before the next
