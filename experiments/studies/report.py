@@ -40,7 +40,7 @@ def peak_factor(method: str) -> float:
     """
     from experiments.configs import lm_shakespeare
 
-    v = lm_shakespeare.VARIANTS[method]
+    v = lm_shakespeare.VARIANTS.get(method, {})
     if "wrapper" not in v:
         return 1.0
     name, every, *more = v["wrapper"]
