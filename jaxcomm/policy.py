@@ -31,8 +31,6 @@ the transform :func:`auto` returns is an ordinary jaxcomm transform with
 static shapes and no host round-trip.
 """
 
-from __future__ import annotations
-
 import math
 import time
 from collections.abc import Callable, Sequence
