@@ -4,21 +4,22 @@ Command (about two minutes on two cores):
   python -m experiments.bench.threshold_fill --out=experiments/results/threshold_fill.json
 
 One selection step (``Threshold.encode``: the first step, zero residual) at
-``--ratio``, with the 1% sample threshold. "fill" is the number of the true
-top-k entries (``k = ceil(ratio·d)``) the step sends, over ``k``. Each case
-runs under two rules:
+``--ratio``, with the 1% sample threshold. "fill" (recall) is the number of
+the true top-k entries (``k = ceil(ratio·d)``) the step sends, over ``k``.
+Each case runs under two selections, in one run:
 
-* ``before``: one fixed pair of slot periods per ``k`` (the largest prime
-  ``<= ceil(0.6·k)`` and the largest other prime below the rest) and the
-  plain ``1/sample_ratio`` sample stride (``Threshold(...,
-  choose_periods=False, sample_kept=0)``);
-* ``now``: the pair chosen for ``d`` and a sample that keeps >= 32 entries
-  at the threshold (the defaults).
+* ``before``: the library's ``Threshold`` as of ``--before`` (a git
+  revision; default the last one with the two-period selection: one slot per
+  class of two prime periods summing to just under ``k``), loaded from the
+  repository's history with ``git show`` (skipped where there is none);
+* ``now``: today's ``Threshold`` (the two largest entries of each class of
+  one prime period ``>= 2k``, the ``k`` largest of them above the sampled
+  threshold).
 
 Cases: ``band``, a matrix with small noise and heavy mass in adjacent
 columns holding about ``k`` entries; ``columns``/``rows``, the same in random
 columns/rows over ``--draws`` draws; ``iid``, normal leaves of conv-kernel
-size over ``--draws`` draws; ``real``, every compressible leaf of the
+size over ``--draws`` draws and of 10^6 entries over 3; ``real``, every compressible leaf of the
 first-step gradients of the digits MLP (hidden 1024, depth 2) and ResNet of
 ``experiments.models`` on 256 training images. Rows are printed and written
 to ``--out`` as JSON.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import types
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +41,34 @@ from absl import app, flags
 
 from jaxcomm.compressors.sparse import Threshold
 
-RULES = {"before": {"choose_periods": False, "sample_kept": 0}, "now": {}}
+# the last revision whose Threshold used the two-period selection
+BEFORE = "58d4ac7"
+
+
+def threshold_at(rev: str) -> type | None:
+    """The ``Threshold`` class of ``jaxcomm/compressors/sparse.py`` at git revision ``rev``.
+
+    ``None`` where the repository's history is not at hand (no git, or a copy
+    without ``.git``). The old module runs against today's ``jaxcomm`` (it
+    imports ``checks``, ``core`` and ``exchange`` from it).
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        src = subprocess.run(
+            ["git", "-C", root, "show", f"{rev}:jaxcomm/compressors/sparse.py"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType(f"threshold_at_{rev}")
+    exec(compile(src, f"{rev}:jaxcomm/compressors/sparse.py", "exec"), module.__dict__)
+    return module.Threshold
+
+
+def selections(before: str = BEFORE) -> dict[str, type]:
+    """``{"before": old Threshold (if at hand), "now": Threshold}``."""
+    old = threshold_at(before)
+    return {**({"before": old} if old is not None else {}), "now": Threshold}
 
 
 def define_flags() -> None:
@@ -47,13 +77,14 @@ def define_flags() -> None:
     flags.DEFINE_integer("draws", 20, "random draws per random case")
     flags.DEFINE_bool("quick", False, "small shapes only (a smoke run)")
     flags.DEFINE_string("out", None, "write the rows to this JSON file")
+    flags.DEFINE_string("before", BEFORE, "git revision of the 'before' selection")
 
 
-def fills(leaves: np.ndarray, ratio: float, **rule) -> np.ndarray:
-    """Fill of each flat leaf of ``leaves`` (shape ``(draws, d)``) under ``rule``."""
+def fills(leaves: np.ndarray, ratio: float, cls: type = Threshold) -> np.ndarray:
+    """Fill of each flat leaf of ``leaves`` (shape ``(draws, d)``) under selection ``cls``."""
     d = leaves.shape[1]
     k = math.ceil(ratio * d)
-    comp = Threshold(ratio, 0.01, **rule)
+    comp = cls(ratio, 0.01)
     vals, idx = jax.jit(jax.vmap(lambda p: comp.encode(p, None)[0]))(jnp.asarray(leaves))
     out = []
     for p, v, i in zip(leaves, np.asarray(vals), np.asarray(idx)):
@@ -98,6 +129,9 @@ def cases(ratio: float, draws: int, quick: bool):
     for shape in small:
         rng = np.random.default_rng(2)
         yield "iid", shape, rng.standard_normal((draws, math.prod(shape))).astype(np.float32)
+    if not quick:  # the issue's case: N(0, 1), d = 1e6
+        rng = np.random.default_rng(3)
+        yield "iid", (10**6,), rng.standard_normal((min(draws, 3), 10**6)).astype(np.float32)
 
 
 def real_gradients(quick: bool):
@@ -132,7 +166,8 @@ def real_gradients(quick: bool):
                 )
 
 
-def run(ratio: float, draws: int, quick: bool) -> list[dict]:
+def run(ratio: float, draws: int, quick: bool, before: str = BEFORE) -> list[dict]:
+    rules = selections(before)
     rows = []
     measured = [(c, s, x) for c, s, x in cases(ratio, draws, quick)]
     measured += [("real:" + n, s, x) for n, s, x in real_gradients(quick)]
@@ -143,8 +178,8 @@ def run(ratio: float, draws: int, quick: bool) -> list[dict]:
             "k": math.ceil(ratio * leaves.shape[1]),
             "draws": len(leaves),
         }
-        for rule, kw in RULES.items():
-            f = fills(leaves, ratio, **kw)
+        for rule, cls in rules.items():
+            f = fills(leaves, ratio, cls)
             row[rule] = {
                 "mean": float(f.mean()),
                 "min": float(f.min()),
@@ -154,7 +189,7 @@ def run(ratio: float, draws: int, quick: bool) -> list[dict]:
         cells = [
             f"{r}: mean {row[r]['mean']:.2f} min {row[r]['min']:.2f} "
             f"<1/2 {row[r]['below_half']}/{row['draws']}"
-            for r in RULES
+            for r in rules
         ]
         head = f"{case:42s} {str(tuple(shape)):18s} k={row['k']:6d}  "
         print(head + "  ".join(cells), flush=True)
@@ -164,11 +199,11 @@ def run(ratio: float, draws: int, quick: bool) -> list[dict]:
 def main(argv: list[str]) -> None:
     del argv
     f = flags.FLAGS
-    rows = run(f.ratio, f.draws, f.quick)
+    rows = run(f.ratio, f.draws, f.quick, f.before)
     if f.out:
         os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
         with open(f.out, "w") as fh:
-            json.dump({"ratio": f.ratio, "rows": rows}, fh, indent=1)
+            json.dump({"ratio": f.ratio, "before": f.before, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ so that the compressed gradient is unbiased.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any
 
@@ -416,116 +415,85 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     return rows_of(best), rows_of(lo), lo > none
 
 
-def _default_periods(k: int) -> tuple[int, int]:
-    """``m1`` the largest prime ``<= ceil(0.6·k)``, ``m2`` the largest other prime ``<= k - m1``."""
-    m1 = _prime_at_most(max(1, math.ceil(0.6 * k)))
-    m2 = _prime_at_most(k - m1) if k - m1 >= 2 else 0
-    if m2 == m1:
-        m2 = _prime_at_most(m1 - 1) if m1 > 2 else 0
-    return m1, m2
+# How much work the choice of the period may do, per (k, d) and once per process:
+# band entries scored (in NumPy), and primes tried.
+_PERIOD_BUDGET = 50_000_000
+_PERIOD_CANDIDATES = 16
+# Candidate classes per kept entry: m >= 2k classes offer their best and
+# runner-up, 4k candidates for k slots (on i.i.d. entries a class holds
+# Poisson(1/2) of the true top-k and loses ~1.6% of them beyond its two).
+_CLASSES_PER_SLOT = 2
+# The sampled threshold sits at the sample's ceil(1.25·k_s)-th largest (k_s its
+# share of the top-ratio): a threshold from >= 32 kept sample entries varies
+# by ~18% in the count it passes, and one set at exactly k_s cut into the true
+# top-k (recall 0.88 on i.i.d. (3, 3, 32, 64) leaves); the top-k re-selection
+# caps what is sent at k either way.
+_SAMPLE_SLACK = 1.25
 
 
-# How much work the choice of periods may do, per (k, d) and once per process:
-# band entries scored (in NumPy), and pairs tried.
-_PERIODS_BUDGET = 50_000_000
-_PERIODS_CANDIDATES = 16
+def _band_fill(idx: np.ndarray, m: int) -> int:
+    """Entries of ``idx`` (heavier than every other entry) among the candidates mod ``m``.
 
-
-def _band_fill(idx: np.ndarray, rank: np.ndarray, m1: int, m2: int) -> int:
-    """Entries of ``idx`` (ranked by ``rank``, above every other entry) the two passes send.
-
-    Pass 1 sends the top entry of every class mod ``m1`` that holds one; pass 2,
-    per class mod ``m2``, the top entry if pass 1 did not take it, else the
-    runner-up if that is free: :class:`Threshold`'s selection, on the heavy
-    entries alone.
+    Each class ``j (mod m)`` offers its two largest entries, so a class holding
+    ``c`` of the heavy entries offers ``min(c, 2)`` of them.
     """
-    c1 = idx % m1
-    top1 = np.full(m1, -1, rank.dtype)
-    np.maximum.at(top1, c1, rank)
-    taken = top1[c1] == rank
-    c2 = idx % m2
-    top = np.full(m2, -1, rank.dtype)
-    np.maximum.at(top, c2, rank)
-    first = top[c2] == rank
-    runner = np.full(m2, -1, rank.dtype)
-    np.maximum.at(runner, c2[~first], rank[~first])
-    second = (runner[c2] == rank) & ~first
-    free_first = np.zeros(m2, bool)
-    free_first[c2[first & ~taken]] = True
-    free_second = np.zeros(m2, bool)
-    free_second[c2[second & ~taken]] = True
-    return int(taken.sum() + free_first.sum() + (free_second & ~free_first).sum())
+    return int(np.minimum(np.bincount(idx % m, minlength=m), 2).sum())
 
 
 @functools.lru_cache(maxsize=1024)
-def _periods(k: int, d: int | None = None) -> tuple[int, int]:
-    """The two slot periods of ``k`` threshold slots of a ``(d,)`` vector: ``(m1, m2)``.
+def _period(k: int, d: int) -> int:
+    """The class period ``m`` of :class:`Threshold`'s candidates for ``k`` slots of ``(d,)``.
 
-    Distinct primes (so coprime) with ``m1 + m2 = S``, ``S`` the sum of
-    :func:`_default_periods` (``m1`` near ``0.6·k``; ``S <= k``, ``k - S`` below
-    1% for ``k >= 1000``): the wire size depends on ``k`` alone. Which pair of
-    primes summing to ``S`` depends on ``d``: a band of adjacent columns of a
-    matrix with row length ``c`` is a lattice of ``c`` modulo the period, and
-    some pairs crowd it into few classes (measured in
-    ``experiments/results/threshold_fill.json``). For every factorisation
-    ``d = R·c`` whose columns are shorter than ``S``, the band of
-    ``round(k/R)`` adjacent columns is scored by the entries the two passes
-    send of it (:func:`_band_fill`), and the pair with the best worst case
-    wins, among the default and up to ``_PERIODS_CANDIDATES`` pairs with
-    ``m1`` nearest ``0.6·S`` (neither dividing ``d``), within
-    ``_PERIODS_BUDGET`` scored entries. Deterministic (every worker picks the
-    same pair; workers that did not would still be averaged right, since
-    the payload carries absolute indices), computed once per ``(k, d)`` at
-    trace time. ``d=None``: the default pair.
+    ``d`` itself (every entry a candidate: exact top-k) when ``2k >= d`` or no
+    prime fits; else a prime in ``[2k, d)`` not dividing ``d``. A band of
+    adjacent columns of a matrix with row length ``c`` is a lattice of ``c``
+    modulo ``m``, and some primes crowd it into few classes (on a
+    ``(3072, 768)`` leaf at 1%, the smallest prime kept 0.85 of an 8-column
+    band's top entries). For every factorisation ``d = R·c`` the band of
+    ``round(k/R)`` adjacent columns is scored by :func:`_band_fill`, and of
+    the first ``_PERIOD_CANDIDATES + 1`` primes the one with the best worst
+    case wins (the smallest on ties), within ``_PERIOD_BUDGET`` scored
+    entries. Deterministic (every worker picks the same; workers that did not
+    would still be averaged right, since the payload carries absolute
+    indices), computed once per ``(k, d)`` at trace time.
     """
-    m1, m2 = _default_periods(k)
-    if d is None or m2 < 3:
-        return m1, m2
-    s = m1 + m2
-    rows = [
-        c
-        for f in range(1, math.isqrt(d) + 1)
-        if d % f == 0
-        for c in {f, d // f}
-        if 2 <= c and 2 * c <= d and d // c < s
-    ]
-    if not rows:
-        return m1, m2
-    near = sorted(range(s // 2 + 1, (7 * s) // 10 + 1), key=lambda p: (abs(10 * p - 6 * s), p))
-    others = (
-        (p, s - p)
-        for p in near
-        if p != m1 and d % p and d % (s - p) and _is_prime(p) and _is_prime(s - p)
+    lo = _CLASSES_PER_SLOT * k
+    if lo >= d:
+        return d
+    cands = []
+    m = lo
+    while len(cands) <= _PERIOD_CANDIDATES:
+        m = _prime_at_least(m)
+        if m >= d:
+            break
+        if d % m:
+            cands.append(m)
+        m += 1
+    if not cands:
+        return d
+    rows = sorted(
+        c for f in range(1, math.isqrt(d) + 1) if d % f == 0 for c in {f, d // f} if 2 <= c < d
     )
-    cands = [(m1, m2), *itertools.islice(others, _PERIODS_CANDIDATES)]
     bands = []
-    for c in sorted(rows):
+    for c in rows:
         r = d // c
         w = max(1, min(c, round(k / r)))
-        bands.append((c, r, w))
-    perm = np.random.default_rng(0).permutation(max(r * w for _, r, w in bands)).astype(np.int32)
-    best, best_worst, spent = (m1, m2), -1.0, 0
-    order = list(range(len(bands)))
-    for pair in cands:
-        if spent >= _PERIODS_BUDGET:
+        idx = (np.arange(r, dtype=np.int64)[:, None] * c + np.arange(w)).reshape(-1)
+        bands.append((idx, min(k, idx.size)))
+    best, best_worst, spent = cands[0], -1.0, 0
+    for m in cands:
+        if spent >= _PERIOD_BUDGET:
             break
-        worst, hardest = 1.0, None
-        for j in order:
-            c, r, w = bands[j]
-            idx = (
-                np.arange(r, dtype=np.int32)[:, None] * c + np.arange(w, dtype=np.int32)
-            ).reshape(-1)
-            frac = _band_fill(idx, perm[: idx.size], *pair) / min(k, idx.size)
+        worst = 1.0
+        for idx, n in sorted(bands, key=lambda b: b[0].size):
+            worst = min(worst, _band_fill(idx, m) / n)
             spent += idx.size
-            if frac < worst:
-                worst, hardest = frac, j
-            if worst <= best_worst:  # cannot win: the hardest band first next time
+            if worst <= best_worst:  # cannot win
                 break
         if worst > best_worst:
-            best, best_worst = pair, worst
-        if hardest is not None:
-            order.remove(hardest)
-            order.insert(0, hardest)
+            best, best_worst = m, worst
+        if best_worst >= 1.0:
+            break
     return best
 
 
@@ -539,101 +507,87 @@ class ThresholdState(core.CompressState):
 
 
 class Threshold(_Sparse):
-    """Two-pass strided-block top-k with a sampled magnitude threshold; no sort of d.
+    """Sampled threshold, strided candidates, exact top-k among them; no sort of d.
 
-    ``m1 + m2`` payload slots from two coprime periods (:func:`_periods`:
-    ``k = max(1, ceil(ratio·d))`` bounds the sum, ``k - m1 - m2`` is below 1%
-    for ``k >= 1000``; the sum depends on ``k`` alone, the pair is chosen for
-    ``d``). First pass: slot ``j < m1`` offers the entry of largest
-    magnitude among ``p[j], p[j+m1], p[j+2·m1], ...``. Second pass: slot
-    ``m1 + j`` offers the largest entry of ``p[j], p[j+m2], ...`` that the
-    first pass did not take (the class's runner-up when its maximum was
-    taken; nothing when both were). Both are folds of a ``(d // m, m)`` view
-    (:func:`_strided_best`). Because the periods are prime, a row of a matrix
-    leaf (consecutive entries) spreads over distinct slots, and so does a
-    column (entries a row length apart), and a layout that crowds into few
-    classes of one period (a lattice of the row length mod ``m``) rarely does
-    so for the other; the pair is chosen so that it does not for any row
-    length that divides ``d``.
+    ``k = max(1, ceil(ratio·d))`` payload slots (top-k's wire). The entries
+    fall into ``m`` classes ``j, j+m, j+2m, ...`` (:func:`_period`: a prime
+    ``>= 2k`` chosen for ``d``, or ``m = d``); one fold of the ``(d // m, m)``
+    view in halves (:func:`_strided_best`) gives each class's largest and
+    runner-up magnitude, ``2m`` candidates. Because ``m`` is prime and
+    ``>= 2k``, a run of consecutive entries (a row of a matrix leaf) falls in
+    distinct classes, and so does a column (entries a row length apart); a
+    class loses only its third and later entries of the true top-k.
 
     If ``sample_ratio`` is set, a threshold is computed (exactly, without a
-    sort: :func:`kth_largest`) as the top-``ratio`` magnitude of the sample
-    ``|p[::s]|``, ``s`` the smallest prime ``>= round(1/sample_ratio)`` (a
-    prime stride does not alias with common row lengths), lowered to the
-    largest prime ``<= k // 32`` (1 if none) when the sample would otherwise
-    keep fewer than 32 entries, primes dividing ``d`` skipped (then the
-    stride is coprime with every row length), and a slot's entry
-    is sent only if it reaches the threshold (the slot carries value 0
-    otherwise). Entries above the threshold that found no slot stay in the
-    residual. :meth:`slots_used` counts the slots that carry an entry.
-
-    For ablations (``experiments/bench/threshold_fill.py``): ``choose_periods=False``
-    uses the default pair for every ``d``, ``sample_kept=0`` the plain
-    ``1/sample_ratio`` stride (the rules before these were found lacking).
+    sort: :func:`kth_largest`) as the ``ceil(1.25·ratio·n)``-th largest
+    magnitude of the sample ``|p[::s]|`` of ``n`` entries, ``s`` the smallest
+    prime ``>= round(1/sample_ratio)`` (a prime stride does not alias with
+    common row lengths), lowered to the largest prime ``<= k // 32`` (1 if
+    none) when the sample would otherwise keep fewer than 32 entries, primes
+    dividing ``d`` skipped (then the stride is coprime with every row
+    length); candidates below it are not sent. The ``k`` largest candidates
+    that remain fill the slots (``lax.top_k`` over ``2m`` entries, as DGC
+    re-selects among the entries above its sampled threshold); a slot left
+    over carries value 0. What is not sent stays in the residual.
+    :meth:`slots_used` counts the slots that carry an entry.
     """
 
     state_cls = ThresholdState
 
-    def __init__(
-        self,
-        ratio: float,
-        sample_ratio: float | None,
-        *,
-        choose_periods: bool = True,
-        sample_kept: int = 32,
-    ):
+    def __init__(self, ratio: float, sample_ratio: float | None):
         self.ratio = ratio
         self.sample_ratio = sample_ratio
-        self.choose_periods = bool(choose_periods)
-        self.sample_kept = checks.check_int(sample_kept, "sample_kept", 0)
 
-    def periods(self, d: int) -> tuple[int, int]:
-        return _periods(core.num_kept(self.ratio, d), d if self.choose_periods else None)
+    def period(self, d: int) -> int:
+        return _period(core.num_kept(self.ratio, d), d)
 
     def slots(self, d: int) -> int:
-        # the chosen pair has the default pair's sum: no search for the wire size
-        return sum(_default_periods(core.num_kept(self.ratio, d)))
+        return core.num_kept(self.ratio, d)
 
     def _stride(self, d: int) -> int:
         """The sample's stride: the smallest prime ``>= round(1/sample_ratio)``, but
-        small enough that ``sample_kept`` sample entries reach the threshold (the
-        largest prime ``<= k // sample_kept``; 1, every entry, if none). Primes
-        that divide ``d`` are skipped: a stride coprime with ``d`` is coprime with
-        every row length ``c`` of a ``(d/c, c)`` view, so the sample visits every
-        column alike (a stride of 2 on even rows would see only even columns)."""
+        small enough that 32 sample entries reach the threshold (the largest prime
+        ``<= k // 32``; 1, every entry, if none). Primes that divide ``d`` are
+        skipped: a stride coprime with ``d`` is coprime with every row length
+        ``c`` of a ``(d/c, c)`` view, so the sample visits every column alike (a
+        stride of 2 on even rows would see only even columns)."""
         s = _prime_at_least(max(1, round(1.0 / self.sample_ratio)))
         while s > 1 and d % s == 0:
             s = _prime_at_least(s + 1)
-        if self.sample_kept:
-            t = _prime_at_most(core.num_kept(self.ratio, d) // self.sample_kept)
-            while t > 1 and d % t == 0:
-                t = _prime_at_most(t - 1)
-            s = min(s, t)
-        return s
+        t = _prime_at_most(core.num_kept(self.ratio, d) // 32)
+        while t > 1 and d % t == 0:
+            t = _prime_at_most(t - 1)
+        return min(s, t)
 
     def encode(self, p, key):
-        m1, m2 = self.periods(p.shape[0])
+        d = p.shape[0]
+        k, m = self.slots(d), self.period(d)
         a = jnp.abs(p).astype(jnp.float32)
-        idx = _strided_best(a, m1)
-        live = None
-        if m2:
-            best, runner, has_runner = _strided_best(a, m2, second=True)
-            taken = lambda i: idx[i % m1] == i  # noqa: E731  (i won its first-pass class)
-            best_free = ~taken(best)
-            idx = jnp.concatenate([idx, jnp.where(best_free, best, runner)])
-            live = jnp.concatenate(
-                [jnp.ones((m1,), bool), best_free | (has_runner & ~taken(runner))]
-            )
-        vals = raw = p[idx]
+        if m == d:  # every entry is a candidate
+            cand = jnp.arange(d, dtype=jnp.int32)
+            live = None
+        else:
+            best, runner, has_runner = _strided_best(a, m, second=True)
+            cand = jnp.concatenate([best, runner])
+            live = jnp.concatenate([jnp.ones((m,), bool), has_runner])
+        raw = p[cand]
+        mag = jnp.abs(raw).astype(jnp.float32)
         if self.sample_ratio is not None:
-            sample = jnp.abs(p[:: self._stride(p.shape[0])]).astype(jnp.float32)
-            thr = kth_largest(sample, core.num_kept(self.ratio, sample.shape[0]))
+            sample = a[:: self._stride(d)]
+            kept = min(
+                sample.shape[0],
+                math.ceil(_SAMPLE_SLACK * core.num_kept(self.ratio, sample.shape[0])),
+            )
+            thr = kth_largest(sample, kept)
             # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
-            keep = ~(jnp.abs(vals).astype(jnp.float32) < thr)
+            keep = ~(mag < thr)
             live = keep if live is None else live & keep
-        if live is not None:
-            # a dead slot sends 0 at an index another slot may hold: adding 0 is harmless
-            vals = jnp.where(live, vals, jnp.zeros_like(vals))
+        # lax.top_k ranks NaN above every number: a non-finite candidate is sent
+        score = mag if live is None else jnp.where(live, mag, -1.0)
+        top, j = lax.top_k(score, k)
+        idx = cand[j]
+        # a dead slot sends 0 at an index another slot may hold: adding 0 is harmless
+        vals = jnp.where(~(top < 0), raw[j], jnp.zeros((), p.dtype)) if live is not None else raw[j]
         return (vals, idx), raw
 
     def slots_used(self, p: jax.Array) -> jax.Array:
@@ -642,8 +596,8 @@ class Threshold(_Sparse):
         return jnp.sum(vals != 0, dtype=jnp.int32)
 
     def all_finite(self, p, payload, aux):
-        # NaN/Inf bit patterns exceed every finite one, so a non-finite entry
-        # wins its block: it is among the block maxima (aux), sent or not.
+        # A NaN/Inf entry wins its class (_strided_best maps it to the largest
+        # key): it is among the candidates (aux), sent or not.
         return jnp.all(jnp.isfinite(aux))
 
 
@@ -657,51 +611,42 @@ def threshold(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
-    """Fast sparsification: two-pass strided-block top-k with a sampled threshold.
+    """Fast sparsification: a sampled threshold and top-k among strided candidates.
 
-    Exact top-k sorts (``lax.top_k``); this path uses only reductions and
-    elementwise ops (its cost against top-k and a gradient copy:
-    ``python -m experiments.bench.compressors``). The payload
-    has ``S = m1 + m2 <= k = ceil(ratio·d)`` slots: ``S`` is the sum of the
-    largest prime ``<= ceil(0.6·k)`` and the largest other prime ``<= k``
-    minus it, and ``(m1, m2)`` the pair of distinct primes summing to ``S``
-    (``m1`` near ``0.6·S``) chosen for ``d`` (see below). Slot
-    ``j < m1`` offers the largest-magnitude entry among ``p[j], p[j+m1],
-    p[j+2·m1], ...``; slot ``m1 + j`` offers the largest entry among ``p[j],
-    p[j+m2], ...`` that the first pass did not take (its class's runner-up
-    if the maximum was taken). Both are folds of a ``(d // m, m)`` view in
-    halves. With ``sample_ratio`` a slot is filled only if its entry reaches
-    the top-``ratio`` threshold estimated from the sample ``p[::s]`` (``s``
-    the smallest prime ``>= round(1/sample_ratio)``; Strom 2015; DGC), or a
-    denser one where the sample would keep fewer than 32 entries (on small
-    leaves a threshold from one kept sample entry, the sample's maximum,
-    sent far less than the top-k; the denser sample costs time there); with
-    ``sample_ratio=None`` every slot's entry is sent. What is not sent stays
-    in the residual. The payload is values + int32 indices, all-gathered
-    like top-k; the wire is billed for all ``m1 + m2`` slots.
+    Exact top-k ranks all ``d`` entries (``lax.top_k``); this path folds the
+    gradient once and ranks ``4k`` candidates (its cost against top-k and a
+    gradient copy: ``python -m experiments.bench.compressors``). The payload
+    has top-k's ``k = ceil(ratio·d)`` slots. The entries fall into ``m``
+    classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``
+    when ``2k >= d``); one fold of the ``(d // m, m)`` view in halves gives
+    each class's largest and runner-up magnitude, and the ``k`` largest of
+    these ``2m`` candidates that reach the threshold are sent. With
+    ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
+    (``s`` the smallest prime ``>= round(1/sample_ratio)``, or a denser one
+    where the sample would keep fewer than 32 entries), set at 1.25 times the
+    sample's top-``ratio`` count so that it rarely cuts into the true top-k
+    (Strom 2015; DGC, whose re-selection among the entries above its
+    threshold is the top-k here); with ``sample_ratio=None`` the ``k``
+    largest candidates are sent. What is not sent stays in the residual. The
+    payload is values + int32 indices, all-gathered like top-k.
 
-    Why strided, prime, and two periods: with contiguous blocks of
-    ``1/ratio`` entries, mass concentrated in a few rows of a matrix leaf
-    falls into a few blocks. Interleaved blocks with a prime period spread a
-    row (consecutive entries) and a column (entries a row length apart) over
-    distinct slots, but with one period some layouts crowd into few classes
-    (adjacent columns whose row length is a lattice modulo the period). A
-    second, coprime period rarely crowds the same entries, but a fixed pair
-    still did for some shapes. So the pair is chosen when the update is
-    traced, from ``d`` alone (every worker picks the same): for every
-    factorisation ``d = R·c`` (any view of the leaf as ``R`` rows of length
-    ``c``, e.g. a Flax kernel's output features or an HWIO kernel's
-    ``Cin·Cout``), a band of adjacent columns holding ~k entries is scored
-    by the entries the two passes would send, and of the default pair and 16
-    others summing to ``S`` the one with the best worst case is used (this
-    scoring runs once per ``(k, d)`` and process, in NumPy, within a fixed
-    work budget). The share of the true top-k sent on structured, small and
-    real leaves, before and after these rules, is in
+    Why strided and prime: with contiguous classes, mass concentrated in a
+    few rows of a matrix leaf falls into a few classes. With a prime period
+    ``>= 2k``, a row (consecutive entries) and a column (entries a row length
+    apart) spread over distinct classes, but a band of adjacent columns is a
+    lattice of the row length modulo ``m`` and some primes crowd it. So ``m``
+    is chosen when the update is traced, from ``d`` alone (every worker picks
+    the same): for every factorisation ``d = R·c`` (any view of the leaf as
+    ``R`` rows of length ``c``), a band of adjacent columns holding ~k entries
+    is scored by the entries the candidates hold, and of the 17 smallest
+    primes ``>= 2k`` not dividing ``d`` the one with the best worst case is
+    used (once per ``(k, d)`` and process, in NumPy, within a fixed work
+    budget). The share of the true top-k sent on i.i.d., structured, small
+    and real leaves, beside the earlier two-period selection, is in
     ``experiments/results/threshold_fill.json``
-    (``python -m experiments.bench.threshold_fill``).
-    Entries that share a slot wait in the residual for a later step. To see
-    how many slots a step actually fills, call :func:`threshold_usage` with
-    the gradient and ``state.residual``.
+    (``python -m experiments.bench.threshold_fill``). To see how many slots
+    a step fills, call :func:`threshold_usage` with the gradient and
+    ``state.residual``.
 
     Args:
       ratio: fraction of entries kept (payload slots ≈ ratio·d), in (0, 1].
@@ -710,7 +655,7 @@ def threshold(
         or ``None`` for no threshold. Raised where needed so that >= 32
         sampled entries reach the threshold (every entry when ``k < 64``).
       error_feedback: keep unsent entries in a residual. Strongly advised:
-        without it, entries beyond one per slot are lost.
+        without it, true top-k entries crowded out of their class are lost.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
       bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
@@ -754,7 +699,7 @@ def threshold_usage(
     ``state.residual``; ``None`` for a zero residual) and returns, for every
     leaf that is compressed (``scope="leaf"``), the int32 count of payload
     slots carrying a nonzero entry and the static number of slots the wire
-    is billed for. Runs under ``jit``; costs about one encode (the two passes).
+    is billed for. Runs under ``jit``; costs about one encode.
 
     Example:
       >>> used = jaxcomm.compressors.sparse.threshold_usage(grads, state.residual, ratio=0.01)
