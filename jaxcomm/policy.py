@@ -8,8 +8,10 @@ they save). :func:`choose` settles it on the user's own mesh, in seconds:
    words, PowerSGD rank 2, top-k and int8 with error feedback) is built with the
    user's ``axis_name`` and compiled into one small ``shard_map`` program
    that draws a per-worker gradient shaped like ``params`` and runs the
-   candidate's ``init`` and ``update`` on it; a baseline program draws the
-   gradient and exchanges nothing;
+   candidate's ``update`` on it, its state carried from call to call (after
+   a few untimed steps from ``init``: the steady state of training, where
+   PowerSGD's ``Q`` is warm-started and residuals are filled); a baseline
+   program draws the gradient and exchanges nothing;
 2. each program is timed (the minimum of ``repeats`` rounds, each round
    timing every program once; with several processes, the slowest
    process's time, so every process makes the same choice); a candidate's
@@ -49,6 +51,7 @@ __all__ = [
     "DEFAULT_CANDIDATES",
     "DROP_FACTOR",
     "SAMPLE_S",
+    "WARM_STEPS",
     "Candidate",
     "Choice",
     "Row",
@@ -164,25 +167,73 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def _program(mesh, axis_name, params, tx: optax.GradientTransformation | None):
-    """Compiled: draw a per-worker gradient like ``params``, run ``tx`` (None: nothing)."""
-    leaves, treedef = jax.tree.flatten(params)
+class _Stepping:
+    """A compiled exchange step as a one-argument call that carries its state along.
 
-    def body(key):
+    ``step(key, state) -> (total, state)``: each call feeds in the state the
+    previous one returned, so what is timed is a step in training's steady
+    state (PowerSGD's warm-started ``Q``, a filled residual), not ``init``
+    followed by a first update.
+    """
+
+    def __init__(self, step, state):
+        self.step, self.state = step, state
+
+    def __call__(self, key):
+        total, self.state = self.step(key, self.state)
+        return total
+
+
+#: Untimed steps each candidate runs before timing: its state (residual,
+#: PowerSGD's ``Q``) leaves the zeros of ``init``.
+WARM_STEPS = 3
+
+
+def _program(mesh, axis_name, params, tx: optax.GradientTransformation | None):
+    """Compiled: draw a per-worker gradient like ``params``, run a step of ``tx`` (None: nothing).
+
+    Returns ``(call, key)``: ``call(key)`` runs one step; with a transform
+    its state is carried from call to call (:class:`_Stepping`).
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    n = calibrate.axis_size(mesh, axis_name)
+
+    def draw(key):
         key = jax.random.fold_in(key, collectives.axis_index(axis_name))
         keys = jax.random.split(key, len(leaves))
         g = [jax.random.normal(k, jnp.shape(p), jnp.result_type(p)) for k, p in zip(keys, leaves)]
-        g = treedef.unflatten(g)
-        if tx is not None:
-            g, _ = tx.update(g, tx.init(params), params)
-        total = sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(g))
-        return total[None]
+        return treedef.unflatten(g)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(axis_name), check_vma=False)
+    def total(g):
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(g))[None]
+
     key = jax.random.key(0)
-    compiled = jax.jit(fn).lower(key).compile()
-    compiled(key).block_until_ready()  # warm-up
-    return compiled, key
+    if tx is None:
+        fn = jax.shard_map(lambda k: total(draw(k)), mesh=mesh, in_specs=P(),
+                           out_specs=P(axis_name), check_vma=False)  # fmt: skip
+        compiled = jax.jit(fn).lower(key).compile()
+        compiled(key).block_until_ready()  # warm-up
+        return compiled, key
+
+    # the state of every worker, stacked on a leading axis sharded over the mesh
+    # (made by a jitted function: with several processes each places only its own workers')
+    state = jax.jit(
+        lambda: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n, *jnp.shape(a))),
+                             tx.init(params)),
+        out_shardings=NamedSharding(mesh, P(axis_name)),
+    )()  # fmt: skip
+
+    def body(k, s):
+        g, s = tx.update(draw(k), jax.tree.map(lambda a: a[0], s), params)
+        return total(g), jax.tree.map(lambda a: a[None], s)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis_name)),
+                       out_specs=(P(axis_name), P(axis_name)), check_vma=False)  # fmt: skip
+    compiled = jax.jit(fn, donate_argnums=1).lower(key, state).compile()
+    call = _Stepping(compiled, state)
+    for _ in range(WARM_STEPS):
+        call(key).block_until_ready()
+    return call, key
 
 
 #: After a round, a candidate slower than this many times the fastest one is timed no more
@@ -312,8 +363,10 @@ def measure(
     """Seconds each candidate's exchange adds to a step, measured on ``mesh`` (cached).
 
     One compiled ``shard_map`` program per candidate draws a per-worker
-    gradient shaped like ``params`` and runs the candidate's ``init`` and
-    ``update``; a baseline program only draws it. ``repeats`` rounds time
+    gradient shaped like ``params`` and runs the candidate's ``update`` on
+    the state the previous call returned (after :data:`WARM_STEPS` untimed
+    steps from ``init``: a step in training's steady state); a baseline
+    program only draws it. ``repeats`` rounds time
     every program once each; a candidate's cost is its minimum minus the
     baseline's (floored at 0), at the slowest process (:func:`time_programs`;
     ``drop=False`` keeps timing every candidate to the end, for predictions of

@@ -226,3 +226,34 @@ def test_a_candidate_far_slower_than_the_fastest_leaves_after_one_round():
                          settle=lambda: settled.append(1))  # fmt: skip
     assert slow.calls == 1 + 4
     assert len(settled) == 3 * 4  # after every sample: the link drains before the next
+
+
+def test_measured_program_runs_a_steady_state_step():
+    """A candidate is timed in training's steady state: its program carries the state
+    from call to call (after WARM_STEPS untimed steps from init), so top-k's residual
+    holds what the earlier draws did not send, as a NumPy top-k with error feedback
+    over the same draws says, and the step counter has counted every call."""
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w": jnp.zeros((64, 32))}
+    tx = jaxcomm.topk(0.05, axis_name="data", min_size=0)
+    call, key = policy._program(mesh, "data", params, tx)
+    for _ in range(2):
+        call(key).block_until_ready()
+    steps = policy.WARM_STEPS + 2
+    np.testing.assert_array_equal(np.asarray(call.state.count), np.full(8, steps))
+    # every call draws the same per-worker gradient (the key is fixed): the residual of
+    # `steps` top-k steps with error feedback on that gradient
+    g = np.stack([
+        np.asarray(jax.random.normal(jax.random.split(jax.random.fold_in(key, w), 1)[0],
+                                     (64, 32))).reshape(-1)
+        for w in range(8)
+    ])  # fmt: skip
+    k = math.ceil(0.05 * g.shape[1])
+    res = np.zeros_like(g)
+    for _ in range(steps):
+        p = g + res
+        idx = np.argsort(-np.abs(p), axis=1, kind="stable")[:, :k]
+        res = p.copy()
+        np.put_along_axis(res, idx, 0.0, axis=1)
+    got = np.asarray(call.state.residual["w"]).reshape(8, -1)
+    np.testing.assert_allclose(got, res, rtol=1e-5, atol=1e-5)
