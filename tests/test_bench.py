@@ -61,3 +61,24 @@ def test_threshold_fill_study_measures_the_transform_under_each_selection():
             assert f == np.intersect1d(sent, top).size / k
     assert rules["before"] is not rules["now"]
     assert got["now"].min() >= 0.9 > got["before"].max()
+
+
+def test_floor_bench_times_every_case_against_the_copy_and_reports_its_targets():
+    """experiments/bench/floor.py on a small vector: one row per case, the copy is the unit,
+    and the report's verdicts follow the measured ratios (a ratio set past a target flips
+    its 'met')."""
+    from experiments.bench import floor as F
+
+    res = F.run(d=8192, ratio=0.01, reps=1, tree=False)
+    names = [r["case"] for r in res["vector"]]
+    want = ["copy"] + [c for c, _, _ in F.VECTOR_CASES]
+    if F.threshold_fill.threshold_at(F.threshold_fill.BEFORE) is None:
+        want.remove("threshold_before")
+    assert names == want
+    assert F._row(res["vector"], "copy")["time_over_copy"] == 1.0
+    assert all(r["step_s"] > 0 for r in res["vector"])
+    thr = F._row(res["vector"], "threshold")
+    thr["time_over_copy"] = 2.5
+    assert "| threshold + EF <= 3x the copy | 2.50x | yes |" in F.report(res)
+    thr["time_over_copy"] = 3.5
+    assert "| threshold + EF <= 3x the copy | 3.50x | **no** |" in F.report(res)

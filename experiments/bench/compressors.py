@@ -64,6 +64,9 @@ CASES: dict[str, Callable[[float], object]] = {
     "threshold_nosample": lambda r: jaxcomm.threshold(r, axis_name=AXIS, sample_ratio=None),
     # encode + exchange + decode only: no error-feedback memory (p = g + e, the residual)
     "threshold_noef": lambda r: jaxcomm.threshold(r, axis_name=AXIS, error_feedback=False),
+    # the two-period selection it replaced, loaded from git (experiments.bench.threshold_fill)
+    "threshold_before": lambda r: _threshold_before(r),
+    "topk_noef": lambda r: jaxcomm.topk(r, axis_name=AXIS, error_feedback=False),
     "randomk": lambda r: jaxcomm.randomk(r, key=jax.random.key(0), axis_name=AXIS),
     "randomk_stratified": lambda r: jaxcomm.randomk(
         r, key=jax.random.key(0), axis_name=AXIS, sampling="stratified"
@@ -92,6 +95,17 @@ CASES: dict[str, Callable[[float], object]] = {
         4, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
     ),
 }
+
+
+def _threshold_before(ratio: float):
+    from experiments.bench import threshold_fill
+
+    cls = threshold_fill.threshold_at(threshold_fill.BEFORE)
+    if cls is None:
+        raise RuntimeError("threshold_before: no git history here to load the old selection from")
+    return jaxcomm.compress(cls(ratio, 0.01), axis_name=AXIS)
+
+
 # Cases that need matrix-shaped leaves: with --sizes their gradient is a near-square
 # (a, d/a) matrix instead of a vector (a 1-D leaf would go dense).
 MATRIX_CASES = {name for name in CASES if name.startswith("powersgd")}
