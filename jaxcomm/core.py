@@ -87,6 +87,14 @@ class Compressor(Protocol):
         """Mean over ``n`` workers; default ``decode(...) / n`` (sparse codecs scale k values)."""
         ...
 
+    def decode_mean_checked(
+        self, received: Payload, aux: Any, d: int, dtype: Any, n: int, ok: jax.Array
+    ) -> jax.Array:
+        """:meth:`decode_mean`, every entry NaN where the bool scalar ``ok`` is False (some
+        worker's ``g + e`` was not finite). Default a select over the mean; sparse codecs
+        scatter into a fill of 0 or NaN instead (one pass over ``d`` fewer)."""
+        ...
+
     def all_finite(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         """Bool scalar: no NaN/Inf in ``p``. Default reads all of ``p``; top-k and
         threshold read only what they selected (which holds any non-finite entry)."""
@@ -145,6 +153,12 @@ class CompressorBase:
     def decode_mean(self, received: Payload, aux: Any, d: int, dtype: Any, n: int) -> jax.Array:
         total = self.decode(received, aux, d, dtype)
         return total / jnp.asarray(n, total.dtype)
+
+    def decode_mean_checked(
+        self, received: Payload, aux: Any, d: int, dtype: Any, n: int, ok: jax.Array
+    ) -> jax.Array:
+        mean = self.decode_mean(received, aux, d, dtype, n)
+        return jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
 
     def all_finite(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         return jnp.isfinite(jnp.sum(p * 0))

@@ -178,10 +178,16 @@ def _encode(compressor: Any, step: Step, config: Config) -> tuple[list, jax.Arra
 
 
 def _put_mean(
-    compressor: Any, step: Step, group: list[int], mean: jax.Array, ok: jax.Array, outputs: list
+    compressor: Any,
+    step: Step,
+    group: list[int],
+    mean: jax.Array,
+    ok: jax.Array | None,
+    outputs: list,
 ) -> None:
-    """Write a group's decoded mean into ``outputs``, NaN where some worker's was not finite."""
-    if not compressor.carries_nonfinite:
+    """Write a group's decoded mean into ``outputs``, NaN where some worker's was not finite
+    (``ok=None``: the mean holds that rule already)."""
+    if ok is not None and not compressor.carries_nonfinite:
         # some worker's gradient was not finite: the update is NaN on every worker
         mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
     for i, sl in _slices(group, step.ps):
@@ -202,9 +208,13 @@ def _decode_groups(
         vec, (_, aux) = step.vecs[gi], encoded[gi]
         if n is None:
             mean = compressor.decode(received[gi], aux, vec.shape[0], vec.dtype)
-        else:
+            _put_mean(compressor, step, group, mean, ok, outputs)
+        elif compressor.carries_nonfinite:
             mean = _decode_mean(compressor, received[gi], aux, vec.shape[0], vec.dtype, n)
-        _put_mean(compressor, step, group, mean, ok, outputs)
+            _put_mean(compressor, step, group, mean, None, outputs)
+        else:
+            mean = compressor.decode_mean_checked(received[gi], aux, vec.shape[0], vec.dtype, n, ok)
+            _put_mean(compressor, step, group, mean, None, outputs)
 
 
 def _memory(

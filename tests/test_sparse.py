@@ -456,3 +456,22 @@ def test_kth_largest_is_exact(n, k):
     assert float(kth_largest(jnp.asarray(a), k)) == np.sort(a)[::-1][k - 1]
     a[0] = np.inf
     assert float(kth_largest(jnp.asarray(a), 1)) == np.inf
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomm.topk(0.05, axis_name=H.AXIS, min_size=0),
+        lambda: jaxcomm.threshold(0.05, axis_name=H.AXIS, min_size=0),
+    ],
+    ids=["topk", "threshold"],
+)
+def test_one_workers_nan_makes_every_entry_of_every_update_nan(make):
+    """Top-k and threshold put the NaN rule in the fill their mean is scattered into
+    (no select over d): a NaN on one worker must still give an all-NaN update on all 8."""
+    tx = make()
+    params = {"w": jnp.zeros((64, 64))}
+    g = np.asarray(H.per_worker_grads(params, seed=1)["w"]).copy()
+    g[3, 5, 5] = np.nan
+    out, _ = jax.pmap(tx.update, axis_name=H.AXIS)({"w": jnp.asarray(g)}, H.stack(tx.init(params)))
+    assert np.isnan(np.asarray(out["w"])).all()

@@ -22,9 +22,12 @@ from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.exchange import AxisName
 
 
-def _scatter_add(d: int, dtype: Any, idx: jax.Array, vals: jax.Array) -> jax.Array:
-    """Dense ``(d,)`` zeros with ``vals`` added at ``idx`` (any matching shapes)."""
-    return jnp.zeros((d,), dtype).at[idx.reshape(-1)].add(vals.reshape(-1).astype(dtype))
+def _scatter_add(
+    d: int, dtype: Any, idx: jax.Array, vals: jax.Array, fill: jax.Array | None = None
+) -> jax.Array:
+    """Dense ``(d,)`` zeros (or the scalar ``fill``) with ``vals`` added at ``idx``."""
+    base = jnp.zeros((d,), dtype) if fill is None else jnp.full((d,), fill, dtype)
+    return base.at[idx.reshape(-1)].add(vals.reshape(-1).astype(dtype))
 
 
 class _Sparse(core.CompressorBase):
@@ -45,6 +48,16 @@ class _Sparse(core.CompressorBase):
         vals, idx = received
         # scale the n*k received values, not the dense d-vector
         return _scatter_add(d, dtype, idx, vals.astype(dtype) / jnp.asarray(n, dtype))
+
+
+def _decode_mean_checked(self, received, aux, d, dtype, n, ok):
+    """:meth:`_Sparse.decode_mean` with the NaN rule in the fill the values are added to
+    (NaN + x is NaN): no select over ``d``. Bit for bit the select's result for top-k and
+    threshold (tests/test_golden.py); random-k's per-worker indices collide, and there
+    XLA:CPU summed the collisions in another order, so it keeps the select."""
+    vals, idx = received
+    fill = jnp.where(ok, jnp.zeros((), dtype), jnp.asarray(jnp.nan, dtype))
+    return _scatter_add(d, dtype, idx, vals.astype(dtype) / jnp.asarray(n, dtype), fill)
 
 
 class TopKState(core.CompressState):
@@ -70,6 +83,8 @@ class TopK(_Sparse):
     def encode(self, p, key):
         _, idx = lax.top_k(jnp.abs(p), self.slots(p.shape[0]))
         return (p[idx], idx.astype(jnp.int32)), None
+
+    decode_mean_checked = _decode_mean_checked
 
     def all_finite(self, p, payload, aux):
         # lax.top_k ranks NaN and Inf above every finite magnitude: if p has a
@@ -589,6 +604,8 @@ class Threshold(_Sparse):
         # a dead slot sends 0 at an index another slot may hold: adding 0 is harmless
         vals = jnp.where(~(top < 0), raw[j], jnp.zeros((), p.dtype)) if live is not None else raw[j]
         return (vals, idx), raw
+
+    decode_mean_checked = _decode_mean_checked
 
     def slots_used(self, p: jax.Array) -> jax.Array:
         """int32 scalar: slots of flat ``p``'s payload that carry a nonzero entry."""
