@@ -194,11 +194,8 @@ through which collective:
 - `randomk(ratio, key=)`: 4k bytes (+8 bytes per step to agree on the key)
   with shared indices, by psum; 8k per worker with per-worker indices, by
   all-gather.
-- `threshold(ratio)`: (m1+m2)·(4+4) ≤ k·8 bytes; all-gather. m1+m2 = S, the
-  largest prime p ≤ ⌈0.6k⌉ plus the largest other prime ≤ k−p (a function
-  of k alone); (m1, m2) the two primes summing to S chosen for d (see
-  "The threshold selection"): one slot per residue class mod m1, then one
-  per class mod m2.
+- `threshold(ratio)`: k·(4+4) bytes, as top-k; all-gather (slots left
+  empty by the sampled threshold carry value 0).
 - `int8(bucket_size=512)`: d + 4·⌈d/b⌉ bytes (int8 codes + a max-abs scale
   per bucket).
 - `qsgd(levels=16, key=)`: 4·⌈d(1+⌈log₂(s+1)⌉)/32⌉ + 4·⌈d/b⌉ bytes (sign

@@ -54,6 +54,12 @@ def _overlap() -> str:
     return overlap.report(_load("overlap.json"))
 
 
+def _floor() -> str:
+    from experiments.bench import floor
+
+    return floor.report(_load("floor.json"))
+
+
 def _auto() -> str:
     from experiments.bench import auto
 
@@ -62,6 +68,7 @@ def _auto() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "auto": _auto,
+    "floor": _floor,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
     "overlap": _overlap,
@@ -69,6 +76,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
+    "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (8 fake CPU devices)"),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),

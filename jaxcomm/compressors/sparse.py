@@ -53,8 +53,8 @@ class _Sparse(core.CompressorBase):
 def _decode_mean_checked(self, received, aux, d, dtype, n, ok):
     """:meth:`_Sparse.decode_mean` with the NaN rule in the fill the values are added to
     (NaN + x is NaN): no select over ``d``. Bit for bit the select's result for top-k and
-    threshold (tests/test_golden.py); random-k's per-worker indices collide, and there
-    XLA:CPU summed the collisions in another order, so it keeps the select."""
+    threshold (tests/test_golden.py holds it). Random-k keeps the default select (its
+    decode rescales after the sum; with this fill its golden digests changed)."""
     vals, idx = received
     fill = jnp.where(ok, jnp.zeros((), dtype), jnp.asarray(jnp.nan, dtype))
     return _scatter_add(d, dtype, idx, vals.astype(dtype) / jnp.asarray(n, dtype), fill)
@@ -486,28 +486,38 @@ def _period(k: int, d: int) -> int:
         m += 1
     if not cands:
         return d
-    rows = sorted(
-        c for f in range(1, math.isqrt(d) + 1) if d % f == 0 for c in {f, d // f} if 2 <= c < d
-    )
+    # A band one column wide (w = 1) is scored 1 by every candidate: its entries are a
+    # row length c apart, c is coprime with the prime m (m does not divide d), so they
+    # fill distinct classes until every class has one, and a class offers two: the
+    # candidates hold min(R, 2m) >= min(k, R) of them. Only wider bands are scored.
     bands = []
-    for c in rows:
-        r = d // c
-        w = max(1, min(c, round(k / r)))
-        idx = (np.arange(r, dtype=np.int64)[:, None] * c + np.arange(w)).reshape(-1)
-        bands.append((idx, min(k, idx.size)))
+    for f in range(1, math.isqrt(d) + 1):
+        if d % f:
+            continue
+        for c in {f, d // f}:
+            r = d // c
+            w = min(c, round(k / r))
+            if 2 <= c < d and w >= 2:
+                bands.append((r * w, c, r, w))
+    bands.sort()
+
+    def band(c: int, r: int, w: int) -> np.ndarray:
+        return (np.arange(r, dtype=np.int64)[:, None] * c + np.arange(w)).reshape(-1)
+
     best, best_worst, spent = cands[0], -1.0, 0
     for m in cands:
-        if spent >= _PERIOD_BUDGET:
-            break
         worst = 1.0
-        for idx, n in sorted(bands, key=lambda b: b[0].size):
-            worst = min(worst, _band_fill(idx, m) / n)
-            spent += idx.size
+        for size, c, r, w in bands:
+            if spent >= _PERIOD_BUDGET:
+                break
+            worst = min(worst, _band_fill(band(c, r, w), m) / min(k, size))
+            spent += size
             if worst <= best_worst:  # cannot win
                 break
-        if worst > best_worst:
-            best, best_worst = m, worst
-        if best_worst >= 1.0:
+        else:  # every band scored (within the budget)
+            if worst > best_worst:
+                best, best_worst = m, worst
+        if best_worst >= 1.0 or spent >= _PERIOD_BUDGET:
             break
     return best
 
@@ -584,7 +594,9 @@ class Threshold(_Sparse):
         else:
             best, runner, has_runner = _strided_best(a, m, second=True)
             cand = jnp.concatenate([best, runner])
-            live = jnp.concatenate([jnp.ones((m,), bool), has_runner])
+            # a class whose two largest are zero or flushed subnormals may report one
+            # row for both: its runner-up is then not a second candidate
+            live = jnp.concatenate([jnp.ones((m,), bool), has_runner & (runner != best)])
         raw = p[cand]
         mag = jnp.abs(raw).astype(jnp.float32)
         if self.sample_ratio is not None:
@@ -631,13 +643,14 @@ def threshold(
     """Fast sparsification: a sampled threshold and top-k among strided candidates.
 
     Exact top-k ranks all ``d`` entries (``lax.top_k``); this path folds the
-    gradient once and ranks ``4k`` candidates (its cost against top-k and a
-    gradient copy: ``python -m experiments.bench.compressors``). The payload
+    gradient once and ranks ``2m >= 4k`` candidates (its cost against top-k and a
+    gradient copy: ``experiments/results/floor.md``). The payload
     has top-k's ``k = ceil(ratio·d)`` slots. The entries fall into ``m``
-    classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``
-    when ``2k >= d``); one fold of the ``(d // m, m)`` view in halves gives
-    each class's largest and runner-up magnitude, and the ``k`` largest of
-    these ``2m`` candidates that reach the threshold are sent. With
+    classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``,
+    every entry a candidate, when no such prime is below ``d``); one fold
+    of the ``(d // m, m)`` view in halves gives each class's largest and
+    runner-up magnitude, and the ``k`` largest of these ``2m`` candidates
+    that reach the threshold are sent. With
     ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
     (``s`` the smallest prime ``>= round(1/sample_ratio)``, or a denser one
     where the sample would keep fewer than 32 entries), set at 1.25 times the
