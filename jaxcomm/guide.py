@@ -595,6 +595,12 @@ only when the network is the bottleneck, or with the two-phase exchange;
 the psum-able codecs (`sign_majority`, `terngrad` with a shared scale,
 PowerSGD, shared-index random-k) decode once.
 
+`python -m experiments.bench.floor` times the sparsifiers at 4M entries per
+device the same way in interleaved rounds (exact top-k, threshold with and
+without error feedback, per leaf, and the selection threshold replaced,
+loaded from git) and states the targets they meet
+(`experiments/results/floor.md`).
+
 ## The threshold selection
 
 `threshold` is the fast sparsifier: one fold of the gradient and a top-k
