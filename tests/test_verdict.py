@@ -125,3 +125,17 @@ def test_report_flags_a_probe_whose_trajectory_differs():
     study["probes"][1]["probe_check"]["probe_eval_loss"] = 1.5
     md = report.lm_markdown(study)
     assert "DIFFERS" in md and md.count("DIFFERS") == 1
+
+
+def test_readme_block_leaves_the_step_times_to_the_study_file():
+    """The README's block (step_times=False) has the time-to-target tables and a pointer to
+    lm_study.md; the study file keeps the step-time table with each probe's check."""
+    study = fake_study()
+    study["probes"][1]["probe_check"]["probe_eval_loss"] = 1.5
+    full, short = report.lm_markdown(study), report.lm_markdown(study, step_times=False)
+    assert "Measured step time" in full and "DIFFERS" in full
+    assert "Measured step time" not in short and short.count("DIFFERS") == 1
+    assert "experiments/results/lm_study.md" in short
+    assert "DIFFERS" not in report.lm_markdown(fake_study(), step_times=False)
+    rows = [line for line in full.splitlines() if line.startswith("| fast |")]
+    assert rows[0] in short  # the time-to-target row is the same

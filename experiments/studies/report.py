@@ -153,8 +153,12 @@ def _time_cell(cell: dict, method: str) -> str:
     return text
 
 
-def lm_markdown(results: dict) -> str:
-    """The LM study's tables: time to target per link, final quality, step times."""
+def lm_markdown(results: dict, step_times: bool = True) -> str:
+    """The LM study's tables: time to target per link, final quality, step times.
+
+    ``step_times=False`` (the README's block) leaves out the measured step-time
+    tables and points to ``experiments/results/lm_study.md``, which has them.
+    """
     lines = []
     for n, v in lm_verdicts(results).items():
         t = v["target"]
@@ -183,6 +187,22 @@ def lm_markdown(results: dict) -> str:
                 f"| {f['median']:.4f} "
                 f"({f['min']:.4f}–{f['max']:.4f}){mark} | " + " | ".join(cells) + " |"
             )
+        if not step_times:
+            differs = [
+                f"{m} at {RATE_NAMES[r]}"
+                for m, row in v["methods"].items()
+                for r, c in row["links"].items()
+                if c.get("trajectory_equal") is False
+            ]
+            if differs:
+                lines += [
+                    "",
+                    "A probe's trajectory DIFFERS from the loopback run's: "
+                    + ", ".join(differs)
+                    + ".",
+                ]
+            lines.append("")
+            continue
         lines += [
             "",
             "Measured step time (ms; loopback: median over seeds of whole runs; shaped: the "
@@ -207,6 +227,13 @@ def lm_markdown(results: dict) -> str:
     for n, why in missing.items():
         what = "left out of the table above" if n in done else "not reported"
         lines += [f"**{n} processes**, {what} (fewer than {verdict.MIN_SEEDS} seeds): {why}.", ""]
+    if not step_times:
+        lines += [
+            "Each cell's measured step time, and the check that the probe's trajectory "
+            "equals the loopback run's: "
+            "[`experiments/results/lm_study.md`](experiments/results/lm_study.md).",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -39,7 +39,7 @@ def _load(name: str) -> dict:
 def _lm_study() -> str:
     from experiments.studies import report
 
-    return report.lm_markdown(_load("lm_study.json"))
+    return report.lm_markdown(_load("lm_study.json"), step_times=False)
 
 
 def _netstudy() -> str:
@@ -89,6 +89,16 @@ def render(name: str) -> str:
     return RENDERERS[name]().rstrip("\n") + "\n"
 
 
+def _lm_study_full() -> str:
+    from experiments.studies import report
+
+    return report.lm_markdown(_load("lm_study.json"))
+
+
+# A study file that holds more than its README block (which points to it).
+FULL: dict[str, Callable[[], str]] = {"lm_study": _lm_study_full}
+
+
 def document(name: str) -> str:
     """The full markdown file of study ``name``: a header, the JSON's note, the tables."""
     _, source, title = DOCUMENTS[name]
@@ -97,7 +107,8 @@ def document(name: str) -> str:
         f"# {title}\n\nGenerated from `{source}` by `python -m experiments.studies.tables`; "
         "do not edit.\n\n"
     )
-    return head + (note.strip() + "\n\n" if note else "") + render(name)
+    body = FULL[name]().rstrip("\n") + "\n" if name in FULL else render(name)
+    return head + (note.strip() + "\n\n" if note else "") + body
 
 
 def stale_documents() -> list[str]:
