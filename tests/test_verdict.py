@@ -139,3 +139,13 @@ def test_readme_block_leaves_the_step_times_to_the_study_file():
     assert "DIFFERS" not in report.lm_markdown(fake_study(), step_times=False)
     rows = [line for line in full.splitlines() if line.startswith("| fast |")]
     assert rows[0] in short  # the time-to-target row is the same
+
+
+def test_a_superseded_method_is_marked_with_its_reason(monkeypatch):
+    """A method whose code changed after its runs is marked † in every table, with why."""
+    monkeypatch.setattr(report, "SUPERSEDED", {"slow": "ran older code"})
+    md = report.lm_markdown(fake_study())
+    assert md.count("| slow † |") == 2 and "| slow |" not in md  # both tables
+    assert "† slow: ran older code." in md
+    monkeypatch.setattr(report, "SUPERSEDED", {})
+    assert "†" not in report.lm_markdown(fake_study())

@@ -27,9 +27,19 @@ OPTIMIZER = {  # what each method's update is, beside the shared AdamW + warm-up
     "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
     "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
 }
+# methods whose code changed after their runs: marked † in the tables, with the reason
+SUPERSEDED = {
+    "threshold": "ran the two-period selection that jaxcomm.threshold had until commit 58d4ac7 "
+    "(0.70 of the true top-k sent on i.i.d. entries; today's sends 0.97, "
+    "experiments/results/threshold_fill.json); not re-run since",
+}
 # methods that are optimizers: their own dense baseline
 COUNTERPART = {m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4",
                                          "sparseloco", "muloco")}  # fmt: skip
+
+
+def _label(method: str) -> str:
+    return f"{method} †" if method in SUPERSEDED else method
 
 
 def peak_factor(method: str) -> float:
@@ -183,7 +193,8 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
             links = row["links"]
             cells = [_time_cell(links[r], m) if r in links else "" for r in v["rates"]]
             lines.append(
-                f"| {m} | {row['mb_per_step']:.2f} ({row['mb_per_step'] * peak_factor(m):.1f}) "
+                f"| {_label(m)} | {row['mb_per_step']:.2f} "
+                f"({row['mb_per_step'] * peak_factor(m):.1f}) "
                 f"| {f['median']:.4f} "
                 f"({f['min']:.4f}–{f['max']:.4f}){mark} | " + " | ".join(cells) + " |"
             )
@@ -221,12 +232,14 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
                     continue
                 eq = {True: ", equal", False: ", DIFFERS", None: ""}[c.get("trajectory_equal")]
                 cells.append(f"{c['step_ms']:.0f}{eq}")
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label(m)} | " + " | ".join(cells) + " |")
         lines.append("")
     done, missing = complete_groups(results)
     for n, why in missing.items():
         what = "left out of the table above" if n in done else "not reported"
         lines += [f"**{n} processes**, {what} (fewer than {verdict.MIN_SEEDS} seeds): {why}.", ""]
+    shown = {m for v in lm_verdicts(results).values() for m in v["methods"]}
+    lines += [f"† {m}: {why}.\n" for m, why in SUPERSEDED.items() if m in shown]
     if not step_times:
         lines += [
             "Each cell's measured step time, and the check that the probe's trajectory "
