@@ -206,15 +206,14 @@ def _decode_groups(
     """Decode every group's received payloads into ``outputs`` (the sum where ``n`` is None)."""
     for gi, group in enumerate(step.groups):
         vec, (_, aux) = step.vecs[gi], encoded[gi]
-        if n is None:
-            mean = compressor.decode(received[gi], aux, vec.shape[0], vec.dtype)
-            _put_mean(compressor, step, group, mean, ok, outputs)
+        d, dtype = vec.shape[0], vec.dtype
+        if n is None:  # the NaN rule is applied by _put_mean
+            mean, rule = compressor.decode(received[gi], aux, d, dtype), ok
         elif compressor.carries_nonfinite:
-            mean = _decode_mean(compressor, received[gi], aux, vec.shape[0], vec.dtype, n)
-            _put_mean(compressor, step, group, mean, None, outputs)
-        else:
-            mean = compressor.decode_mean_checked(received[gi], aux, vec.shape[0], vec.dtype, n, ok)
-            _put_mean(compressor, step, group, mean, None, outputs)
+            mean, rule = _decode_mean(compressor, received[gi], aux, d, dtype, n), None
+        else:  # the codec applies the NaN rule itself
+            mean, rule = compressor.decode_mean_checked(received[gi], aux, d, dtype, n, ok), None
+        _put_mean(compressor, step, group, mean, rule, outputs)
 
 
 def _memory(

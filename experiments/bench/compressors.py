@@ -100,10 +100,10 @@ CASES: dict[str, Callable[[float], object]] = {
 def _threshold_before(ratio: float):
     from experiments.bench import threshold_fill
 
-    cls = threshold_fill.threshold_at(threshold_fill.BEFORE)
-    if cls is None:
+    tx = threshold_fill.transform_before(ratio, AXIS)
+    if tx is None:
         raise RuntimeError("threshold_before: no git history here to load the old selection from")
-    return jaxcomm.compress(cls(ratio, 0.01), axis_name=AXIS)
+    return tx
 
 
 # Cases that need matrix-shaped leaves: with --sizes their gradient is a near-square

@@ -68,18 +68,14 @@ VECTOR_CASES: list[tuple[str, str, Callable[[float], object]]] = [
      lambda r: jaxcomm.threshold(r, axis_name=AXIS, error_feedback=False)),
     ("threshold_per_leaf", "threshold + EF, bucket_bytes=None",
      lambda r: jaxcomm.threshold(r, axis_name=AXIS, bucket_bytes=None)),
-    ("threshold_before", "two-period threshold + EF (old code)", lambda r: _before(r)),
+    ("threshold_before", "two-period threshold + EF (old code)",
+     lambda r: threshold_fill.transform_before(r, AXIS)),
 ]  # fmt: skip
 TREE_CASES = [
     ("threshold", "threshold + EF, 25 MiB buckets", lambda r: jaxcomm.threshold(r, axis_name=AXIS)),
     ("threshold_per_leaf", "threshold + EF, per leaf",
      lambda r: jaxcomm.threshold(r, axis_name=AXIS, bucket_bytes=None)),
 ]  # fmt: skip
-
-
-def _before(ratio: float):
-    cls = threshold_fill.threshold_at(threshold_fill.BEFORE)
-    return None if cls is None else jaxcomm.compress(cls(ratio, 0.01), axis_name=AXIS)
 
 
 def define_flags() -> None:

@@ -65,6 +65,15 @@ def threshold_at(rev: str) -> type | None:
     return module.Threshold
 
 
+def transform_before(ratio: float, axis_name: str, rev: str = BEFORE):
+    """``jaxcomm.compress`` of the old ``Threshold(ratio, 0.01)`` over ``axis_name``; ``None``
+    where the history is not at hand (the benchmarks' ``threshold_before`` case)."""
+    import jaxcomm
+
+    cls = threshold_at(rev)
+    return None if cls is None else jaxcomm.compress(cls(ratio, 0.01), axis_name=axis_name)
+
+
 def selections(before: str = BEFORE) -> dict[str, type]:
     """``{"before": old Threshold (if at hand), "now": Threshold}``."""
     old = threshold_at(before)
