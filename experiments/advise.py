@@ -10,10 +10,11 @@ For the config's model and the current mesh it
 1. calibrates the link (:func:`jaxcomm.calibrate.calibrate`: alpha and
    bandwidth of each collective kind) and prints the table;
 2. times the config's training step with **no** exchange (the base optimizer
-   alone, every worker on its own batch): ``compute_s``;
+   alone, every worker on its own batch): ``compute_s``, the median call;
 3. measures what each candidate exchange of :mod:`jaxcomm.policy` adds to a
-   step on this mesh (:func:`jaxcomm.policy.measure`) and its alpha-beta
-   prediction from the calibration;
+   step on this mesh (:func:`jaxcomm.policy.measure`, the median sample: the
+   prediction is of training's median step, stalls between processes and all)
+   and its alpha-beta prediction from the calibration;
 4. prints each candidate's predicted step time, ``compute_s`` + its measured
    cost, and the recommendation :func:`jaxcomm.auto` would make, with the reason.
 
@@ -31,6 +32,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
     ).strip()
 
 import json
+import statistics
 import time
 
 import jax
@@ -55,8 +57,12 @@ def _base_optimizer(config) -> optax.GradientTransformation:
     return optax.sgd(train.learning_rate(config))
 
 
-def compute_step_s(config, model, params, stats, mesh, ds, calls: int = 3) -> float:
-    """Seconds per training step with no exchange: the config's step, timed per call."""
+def compute_step_s(config, model, params, stats, mesh, ds, calls: int = 7) -> float:
+    """Seconds per training step with no exchange: the config's step, the median of ``calls`` calls.
+
+    The median (not the least) call, like the candidates' costs (``statistic="median"``):
+    the prediction is of training's median step.
+    """
     n = mesh.shape[train.AXIS]
     tx = _base_optimizer(config)
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
@@ -68,17 +74,16 @@ def compute_step_s(config, model, params, stats, mesh, ds, calls: int = 3) -> fl
     call = train.make_train_call(model, tx, mesh, ds, config).lower(state, x, y).compile()
     state, losses = call(state, x, y)  # warm-up
     jax.block_until_ready(losses)
-    best = float("inf")
+    times = []
     for _ in range(calls):
         start = time.perf_counter()
         state, losses = call(state, x, y)
         jax.block_until_ready(losses)
-        best = min(best, time.perf_counter() - start)
-    (best,) = calibrate.slowest_process([best])
-    return best / config.steps_per_call
+        times.append(time.perf_counter() - start)
+    return statistics.median(calibrate.slowest_process(times)) / config.steps_per_call
 
 
-def advise(config, repeats: int = 5) -> dict:
+def advise(config, repeats: int = 7) -> dict:
     """Calibration, no-exchange step, each candidate's cost and predicted step, the choice."""
     train.validate(config)
     n = train.n_workers_of(config)
@@ -87,7 +92,9 @@ def advise(config, repeats: int = 5) -> dict:
     mesh = distributed.global_mesh(train.AXIS, n)
     cal = calibrate.calibrate(mesh, train.AXIS)
     compute_s = compute_step_s(config, model, params, stats, mesh, ds)
-    costs = policy.measure(params, mesh, train.AXIS, repeats=repeats, drop=False)
+    costs = policy.measure(
+        params, mesh, train.AXIS, repeats=repeats, drop=False, statistic="median"
+    )
     choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs)
     rows = [
         dict(r._asdict(), predicted_step_s=compute_s + r.seconds,
@@ -136,7 +143,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     config_flags.DEFINE_config_file("config", None, "training config file", lock_config=True)
-    flags.DEFINE_integer("repeats", 5, "timed rounds of each candidate")
+    flags.DEFINE_integer("repeats", 7, "timed rounds of each candidate (their median counts)")
     flags.DEFINE_string("out", "", "also write the advice as JSON here")
     flags.mark_flags_as_required(["config"])
     app.run(main)

@@ -780,12 +780,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     eval_every, ckpt_every = config.get("eval_every", 0), config.get("checkpoint_every", 0)
     show = config.get("progress", True) and lead
     bar = tqdm(total=total, initial=start, unit="step", disable=not show)
-    t0, step, losses = time.perf_counter(), start, []
+    t0, step, losses, call_s = time.perf_counter(), start, [], []
     while step < total:
         t_call = time.perf_counter()
         state, call_losses = train_call(state, x_train, y_train)
         state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
-        train_s += time.perf_counter() - t_call
+        call_s.append(time.perf_counter() - t_call)
+        train_s += call_s[-1]
         step += per_call
         losses.extend(np.asarray(call_losses).tolist())
         sent = comm_steps(config, step) * bytes_per_comm
@@ -794,8 +795,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
         if (eval_every and step % eval_every == 0) or step == total:
             # Worker 0's params live on process 0 (the mesh puts its devices first):
             # evaluating them needs no communication, and the others go on meanwhile.
-            row = {"step": step, "loss": float(np.mean(losses))}
-            losses = []
+            # call_s: each training call's seconds since the last row (steady state: their median)
+            row = {"step": step, "loss": float(np.mean(losses)), "call_s": call_s}
+            losses, call_s = [], []
             if lead:
                 row.update(evaluate(*distributed.local_row((state.params, state.batch_stats), 0)))
                 row.update(

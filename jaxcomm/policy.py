@@ -34,6 +34,7 @@ static shapes and no host round-trip.
 """
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -51,6 +52,7 @@ __all__ = [
     "DEFAULT_CANDIDATES",
     "DROP_FACTOR",
     "SAMPLE_S",
+    "STATISTICS",
     "WARM_STEPS",
     "Candidate",
     "Choice",
@@ -257,42 +259,61 @@ def _calls_per_sample(programs) -> list[int]:
     return [max(1, min(1000, math.ceil(SAMPLE_S / max(t, 1e-6)))) for t in once]
 
 
+#: How :func:`time_programs` sums up a program's samples: ``"min"`` (the least: what a
+#: choice compares, noise taken out) or ``"median"`` (the typical sample: what a prediction of
+#: training's median step needs, where stalls between processes come and go).
+STATISTICS = ("min", "median")
+
+
 def time_programs(
-    programs, repeats: int, *, drop: bool = True, settle: Callable[[], Any] | None = None
+    programs,
+    repeats: int,
+    *,
+    drop: bool = True,
+    settle: Callable[[], Any] | None = None,
+    statistic: str = "min",
 ) -> list[float]:
     """Seconds per call of each ``(compiled, arg)`` program (index 0 the baseline).
 
     ``compiled(arg)`` must return something with ``block_until_ready()``. A
     sample dispatches the program back to back for at least :data:`SAMPLE_S`
     and waits for the last call; the result is the least time per call over
-    ``repeats`` rounds, each round taking one sample of every program still
-    in play (load spreads over all), at the slowest process. With ``drop``,
-    after each round (the processes agree on the times first) candidates
-    slower than :data:`DROP_FACTOR` x the fastest leave play: every process
-    drops the same ones, so all run the same collectives. ``settle()`` (untimed)
-    runs after each sample: a collective that returns only when the sample's
-    traffic has drained from the link (a process can finish a collective while
-    its last bytes to a peer still sit in a queue, and would charge them to the
-    next program).
+    ``repeats`` rounds (``statistic="median"``: the median sample), each round
+    taking one sample of every program still in play (load spreads over all),
+    at the slowest process. With ``drop``, after each round (the processes
+    agree on the times first) candidates slower than :data:`DROP_FACTOR` x the
+    fastest leave play: every process drops the same ones, so all run the same
+    collectives. ``settle()`` (untimed) runs after each sample: a collective
+    that returns only when the sample's traffic has drained from the link (a
+    process can finish a collective while its last bytes to a peer still sit
+    in a queue, and would charge them to the next program).
     """
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
     calls = _calls_per_sample(programs)
-    best = [math.inf] * len(programs)
+    samples: list[list[float]] = [[] for _ in programs]
     playing = list(range(len(programs)))
     for _ in range(repeats):
+        round_s = []
         for i in playing:
             compiled, key = programs[i]
             start = time.perf_counter()
             for _ in range(calls[i] - 1):
                 compiled(key)
             compiled(key).block_until_ready()
-            best[i] = min(best[i], (time.perf_counter() - start) / calls[i])
+            round_s.append((time.perf_counter() - start) / calls[i])
             if settle is not None:
                 jax.block_until_ready(settle())
-        best = calibrate.slowest_process(best)
+        # every process keeps the slowest process's time of each sample
+        for i, t in zip(playing, calibrate.slowest_process(round_s)):
+            samples[i].append(t)
+        best = [min(s) for s in samples]
         fastest = min(best[1:])
         if drop:
             playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
-    return best
+    if statistic == "min":
+        return [min(s) for s in samples]
+    return [statistics.median(s) for s in samples]
 
 
 def _settle(mesh, axis_name) -> Callable[[], Any]:
@@ -359,6 +380,7 @@ def measure(
     repeats: int = 5,
     drop: bool = True,
     refresh: bool = False,
+    statistic: str = "min",
 ) -> dict[str, float]:
     """Seconds each candidate's exchange adds to a step, measured on ``mesh`` (cached).
 
@@ -367,7 +389,8 @@ def measure(
     the state the previous call returned (after :data:`WARM_STEPS` untimed
     steps from ``init``: a step in training's steady state); a baseline
     program only draws it. ``repeats`` rounds time
-    every program once each; a candidate's cost is its minimum minus the
+    every program once each; a candidate's cost is its minimum (``statistic="median"``:
+    its median, for predictions of training's median step) minus the
     baseline's (floored at 0), at the slowest process (:func:`time_programs`;
     ``drop=False`` keeps timing every candidate to the end, for predictions of
     all of them rather than a choice). **Every process must call it** with the
@@ -378,18 +401,22 @@ def measure(
     """
     cands = _check_candidates(candidates)
     checks.check_int(repeats, "repeats", 1)
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
     calibrate.axis_size(mesh, axis_name)
     shapes = _shapes(params)
     key = (
         tuple(int(d.id) for d in mesh.devices.flat), axis_name, str(jax.tree.structure(shapes)),
         tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
-        tuple(c.name for c in cands), repeats, drop,
+        tuple(c.name for c in cands), repeats, drop, statistic,
     )  # fmt: skip
     if key in _CACHE and not refresh:
         return dict(_CACHE[key])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
-    times = time_programs(programs, repeats, drop=drop, settle=_settle(mesh, axis_name))
+    times = time_programs(
+        programs, repeats, drop=drop, settle=_settle(mesh, axis_name), statistic=statistic
+    )
     costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
     _CACHE[key] = costs
     return dict(costs)

@@ -228,6 +228,34 @@ def test_a_candidate_far_slower_than_the_fastest_leaves_after_one_round():
     assert len(settled) == 3 * 4  # after every sample: the link drains before the next
 
 
+class _Varying:
+    """A program whose calls sleep the seconds of ``schedule`` in turn."""
+
+    def __init__(self, schedule):
+        self.schedule, self.calls = schedule, 0
+
+    def __call__(self, arg):
+        time.sleep(self.schedule[self.calls % len(self.schedule)])
+        self.calls += 1
+        return self
+
+    def block_until_ready(self):
+        return self
+
+
+def test_time_programs_sums_up_samples_by_the_least_or_the_median():
+    # the sizing call sleeps 0.06 s (> SAMPLE_S: one call a sample); the samples are then
+    # 0.20, 0.10 and 0.06 s: their least is 0.06, their median 0.10
+    def times(statistic):
+        progs = [(_Sleeper(0.0), None), (_Varying([0.06, 0.2, 0.1, 0.06]), None)]
+        return policy.time_programs(progs, 3, drop=False, statistic=statistic)[1]
+
+    least, median = times("min"), times("median")
+    assert 0.06 <= least < 0.09 and 0.1 <= median < 0.13
+    with pytest.raises(ValueError, match="statistic: 'mean' is not one of"):
+        policy.time_programs([(_Sleeper(0.0), None)], 1, statistic="mean")
+
+
 def test_measured_program_runs_a_steady_state_step():
     """A candidate is timed in training's steady state: its program carries the state
     from call to call (after WARM_STEPS untimed steps from init), so top-k's residual

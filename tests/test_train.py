@@ -119,12 +119,27 @@ def test_resume_equals_uninterrupted(variant, tmp_path):
     assert np.all(part.state.step == 2) and np.all(resumed.state.step == 6)
     assert_bit_equal(resumed.state, full.state)
     assert [r["step"] for r in resumed.metrics] == [2, 4, 6]
-    timing = ("wall_s", "train_s", "compile_s")
+    timing = ("wall_s", "train_s", "compile_s", "call_s")
     same = lambda row: {k: v for k, v in row.items() if k not in timing}
     assert same(resumed.metrics[-1]) == same(full.metrics[-1])
     # and training moved the params
     assert not np.array_equal(
         part.state.params["Dense_0"]["kernel"], full.state.params["Dense_0"]["kernel"]
+    )
+
+
+def test_metrics_rows_hold_each_calls_seconds(tmp_path):
+    """A row's call_s lists the seconds of every training call since the row before (the
+    median step of a benchmark is read from them); they add up to train_s."""
+    c = tiny(digits_mlp.get_config("dense"), steps=6, per_call=2)
+    c.eval_every = 4  # rows at step 4 (two calls) and at the end, 6 (one call)
+    rows = train.train_and_evaluate(c, str(tmp_path)).metrics
+    assert [r["step"] for r in rows] == [4, 6]
+    assert [len(r["call_s"]) for r in rows] == [2, 1]
+    assert all(t > 0 for r in rows for t in r["call_s"])
+    np.testing.assert_allclose(sum(rows[0]["call_s"]), rows[0]["train_s"], rtol=1e-9)
+    np.testing.assert_allclose(
+        rows[1]["call_s"][0], rows[1]["train_s"] - rows[0]["train_s"], rtol=1e-9
     )
 
 

@@ -1,6 +1,6 @@
 r"""jaxcomm.auto on real, shaped links: its choice, step time, time to target vs fixed methods.
 
-Command (root, iproute2; ~30 min on 2 CPU cores):
+Command (root, iproute2; ~45 min on 2 CPU cores):
   python -m experiments.bench.auto --out=experiments/results/auto.json
 Tables from the JSON (no runs): ``python -m experiments.bench.auto --report``.
 
@@ -19,12 +19,19 @@ egress shaped by ``tc ... tbf``):
   more than ``--max_run_s`` runs ``--probe_steps`` steps and its time to
   target is that step time x the steps the same method needed on loopback.
   The LM runs ``--lm_steps`` steps per cell (its step time only: its
-  trajectories are :mod:`experiments.studies.lm`'s).
+  trajectories are :mod:`experiments.studies.lm`'s). A cell's step time is
+  its median training call after the first (``mean_step_s``: every call,
+  stalls between the processes included, which time to target pays);
+* on the links of ``--lm_replay``, the LM trains 3 seeds of the study's
+  schedule at loopback with the auto cell's recorded choice replayed (the
+  computation auto trains with on that link): its time to the study's target
+  at the cell's step, beside the study's methods on that link.
 
 The report compares, per model and link, auto's step time with dense's (the
 rule: <= 1.05x on loopback and 1 Gbit/s), its time to target with the best
 fixed method's (within 10% at 10 Mbit/s; not slower than dense at 100
-Mbit/s), and advise's predicted step with the measured step of each cell that
+Mbit/s), and advise's predicted step (``compute_s`` + the candidate's cost,
+both the median of their samples) with the measured step of each cell that
 ran a candidate (dense, and auto's choice).
 """
 
@@ -32,12 +39,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 from absl import app, flags
 
-from experiments.studies import runs
+from experiments.studies import runs, verdict
 
 FLAGS = flags.FLAGS
 MLP_CONFIG = "experiments/configs/digits_mlp.py"
@@ -52,12 +60,15 @@ MODELS = {  # config, overrides, steps, steps per call
     ),  # fmt: skip
     "lm": (LM_CONFIG, [], 200, 5),
 }
+LM_STUDY_STEPS = 200  # experiments.studies.lm's schedule (its --steps default)
+LM_STUDY = "experiments/results/lm_study.json"
 
 
 def define_flags() -> None:
     flags.DEFINE_list("models", list(MODELS), "models")
     flags.DEFINE_list("rates", ["loopback", "1gbit", "100mbit", "10mbit"], "links")
-    flags.DEFINE_list("lm_rates", ["loopback", "10mbit"], "links of the LM")
+    flags.DEFINE_list("lm_rates", ["loopback", "1gbit", "10mbit"], "links of the LM")
+    flags.DEFINE_list("lm_replay", ["10mbit"], "links whose LM auto choice trains 3 seeds")
     flags.DEFINE_list("fixed", ["topk", "powersgd"], "fixed methods run beside dense and auto")
     flags.DEFINE_integer("lm_steps", 10, "steps of an LM cell (two calls)")
     flags.DEFINE_integer("probe_steps", 10, "steps of a probed MLP cell (two calls of half)")
@@ -100,16 +111,48 @@ def run_cell(model: str, rate: str, method: str, steps: int, per_call: int = 0) 
             f"--config.steps_per_call={per_call}", f"--config.eval_every={per_call}",
             "--config.checkpoint_every=0", "--config.progress=False", "--config.plot=False",
             *overrides]  # fmt: skip
-    keep = ("step", "accuracy", "train_s", "wire_bytes", "loss", "eval_loss")
+    keep = ("step", "accuracy", "train_s", "wire_bytes", "loss", "eval_loss", "call_s")
     run = runs.launched(argv, workdir, keep)
     curve = run["curve"]
     first, last = curve[0], curve[-1]
-    run["step_s"] = (last["train_s"] - first["train_s"]) / (last["step"] - first["step"])
+    # the steady-state step: the median training call after the first (compile, warm-up),
+    # per step; the mean (every call's seconds) is what time to target pays, stalls included
+    calls = [t for r in curve for t in r["call_s"]][1:]
+    run["step_s"] = statistics.median(calls) / per_call
+    run["mean_step_s"] = (last["train_s"] - first["train_s"]) / (last["step"] - first["step"])
     choice = os.path.join(workdir, "auto_choice.json")
     if os.path.exists(choice):
         with open(choice) as f:
             run["auto"] = json.load(f)
     return run
+
+
+def run_lm_replay(choice: dict, rate: str, seeds: list[int]) -> list[dict]:
+    """The LM's trajectory under auto's choice on ``rate``: its recorded costs replayed.
+
+    A run whose workdir holds ``auto_choice.json`` decides from the costs there
+    (what a resumed run does), so a loopback run with the auto cell's record
+    trains with the exchange auto chose on ``rate``: the same computation, on
+    the study's schedule and seeds (:mod:`experiments.studies.lm`, 2 processes).
+    """
+    from experiments.studies import lm
+
+    out = []
+    for seed in seeds:
+        workdir = os.path.join(FLAGS.workroot, "lm", rate, "auto_replay", f"s{seed}")
+        subprocess.run(["rm", "-rf", workdir], check=True)
+        os.makedirs(workdir)
+        with open(os.path.join(workdir, "auto_choice.json"), "w") as f:
+            json.dump(choice, f, indent=1)
+        argv = lm.training_argv(workdir, 2, "loopback", "auto", seed, LM_STUDY_STEPS, 0)
+        run = runs.launched(argv, workdir, lm.KEEP)
+        with open(os.path.join(workdir, "auto_choice.json")) as f:
+            if json.load(f)["choice"] != choice["choice"]:
+                raise RuntimeError(f"{workdir}: the replay did not keep {choice['choice']}")
+        out.append({"seed": seed, **run})
+        print(f"lm/{rate} auto replay seed {seed}: val {run['curve'][-1]['eval_loss']:.4f}",
+              flush=True)  # fmt: skip
+    return out
 
 
 def time_to(curve: list[dict], target: float) -> tuple[float | None, int | None]:
@@ -175,6 +218,14 @@ def main(argv: list[str]) -> None:
                 pick = cell.get("auto", {}).get("choice", "")
                 print(f"{key} {method:9s}: {cell['step_s'] * 1e3:8.2f} ms/step "
                       f"tta {cell.get('tta_s')} {pick}", flush=True)  # fmt: skip
+    for rate in FLAGS.lm_replay if "lm" in FLAGS.models else []:
+        auto = _cell(results["cells"], "lm", rate, "auto")
+        if auto is not None and rate not in results.setdefault("lm_replay", {}):
+            results["lm_replay"][rate] = {
+                "choice": auto["auto"]["choice"],
+                "runs": run_lm_replay(auto["auto"], rate, [0, 1, 2]),
+            }
+            save()
     save()
     print(write_report(FLAGS.out))
 
@@ -232,6 +283,81 @@ def rows_prediction(results: dict) -> list[dict]:
     return out
 
 
+def rows_lm_tta(results: dict, study: dict) -> list[dict]:
+    """Per replayed link: auto's LM time to the study's target beside the study's methods.
+
+    auto's seeds reach the study's 2-process target at the steps of their
+    replayed trajectories, timed at the auto cell's measured step on that link
+    (its first call, then the median call: the study's rule for shaped links).
+    """
+    from experiments.configs import lm_shakespeare
+    from experiments.studies import report as lm_report
+
+    out = []
+    verdicts = lm_report.lm_verdicts(study).get(2)
+    for rate, replay in results.get("lm_replay", {}).items():
+        if verdicts is None or rate not in verdicts["rates"]:
+            continue
+        target = verdicts["target"]["target"]
+        auto = _cell(results["cells"], "lm", rate, "auto")
+        calls = [t for r in auto["curve"] for t in r["call_s"]]
+        probe = {"first_call": {"steps": MODELS["lm"][3], "train_s": calls[0]},
+                 "step_s": auto["step_s"]}  # fmt: skip
+        curves = [r["curve"] for r in replay["runs"]]
+        first = [verdict.first_reach(c, target, "eval_loss", True) for c in curves]
+        times = [lm_report.seed_time(c, i, probe) if i >= 0 else None
+                 for c, i in zip(curves, first)]  # fmt: skip
+        rows = verdicts["methods"]
+        linked = {m: r["links"][rate] for m, r in rows.items() if rate in r["links"]}
+        reached = {m: c["median"] for m, c in linked.items() if c["median"] is not None}
+        every_step = {m: t for m, t in reached.items()
+                      if "wrapper" not in lm_shakespeare.VARIANTS[m]}  # fmt: skip
+        dense_finals = [r["curve"][-1]["eval_loss"] for r in study["runs"]
+                        if (r["n"], r["method"]) == (2, "dense")]  # fmt: skip
+        best = min(reached, key=reached.get)
+        best_step = min(every_step, key=every_step.get)
+        out.append({
+            "rate": rate, "choice": replay["choice"], "target": target,
+            "auto": verdict.summarize(times),
+            "final": verdict.quality([c[-1]["eval_loss"] for c in curves], dense_finals),
+            "dense": linked["dense"]["median"],
+            "best": best, "best_s": reached[best],
+            "best_step": best_step, "best_step_s": every_step[best_step],
+        })  # fmt: skip
+    return out
+
+
+def _lm_tta_lines(results: dict) -> list[str]:
+    if not results.get("lm_replay") or not os.path.exists(LM_STUDY):
+        return []
+    with open(LM_STUDY) as f:
+        rows = rows_lm_tta(results, json.load(f))
+    lines = [
+        "",
+        "The LM's time to target (2 processes; the study's target, schedule and seeds; auto's "
+        "trajectory: its choice on the link replayed at loopback, 3 seeds, timed at its cell's "
+        "step on the link; the other methods: `lm_study.json`):",
+        "",
+        "| link | auto's choice | auto's final val loss | auto to target | dense | "
+        "best every-step exchange | best of the study | auto / best every-step | "
+        "auto / best of the study |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        a, f = r["auto"], r["final"]
+        got = (f"{a['median']:.1f} s ({a['min']:.1f}-{a['max']:.1f})" if a["median"] is not None
+               else f"not reached ({a['reached']}/{a['seeds']} seeds)")  # fmt: skip
+        ratio = lambda b, t=a["median"]: "-" if t is None else f"{t / b:.2f}x"
+        band = "" if f["within_band"] else " (worse than dense by > 2%)"
+        lines.append(
+            f"| {r['rate']} | {r['choice']} | {f['median']:.4f}{band} | {got} | "
+            f"{r['dense']:.0f} s | {r['best_step_s']:.1f} s ({r['best_step']}) | "
+            f"{r['best_s']:.1f} s ({r['best']}) | {ratio(r['best_step_s'])} | "
+            f"{ratio(r['best_s'])} |"
+        )
+    return lines
+
+
 def report(results: dict) -> str:
     """The markdown tables of the results (README block and ``auto.md``, via studies.tables)."""
     lines = [
@@ -264,6 +390,7 @@ def report(results: dict) -> str:
             f"| {p['model']} | {p['rate']} | {p['cell']} | {p['as']} | {p['predicted_ms']:.2f} | "
             f"{p['measured_ms']:.2f} | {p['ratio']:.2f} | {p['model_ms']:.2f} |"
         )
+    lines += _lm_tta_lines(results)
     return "\n".join(lines) + "\n"
 
 

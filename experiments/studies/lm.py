@@ -57,13 +57,16 @@ def define_flags() -> None:
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
 
 
-def run_training(
-    n: int, rate: str, method: str, seed: int, steps: int, stop: int, per_call: int = 10
-) -> dict:
-    """One launched run; returns its command, wall time and metrics rows."""
-    workdir = os.path.join(FLAGS.workroot, f"n{n}", rate, method, f"s{seed}")
-    subprocess.run(["rm", "-rf", workdir], check=True)
-    argv = [
+#: The metrics kept of each row of a run.
+KEEP = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
+
+
+def training_argv(
+    workdir: str, n: int, rate: str, method: str, seed: int, steps: int, stop: int,
+    per_call: int = 10,
+) -> list[str]:  # fmt: skip
+    """The launched command of one run of the study (``stop``: steps to run, 0 all)."""
+    return [
         sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
         *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
         sys.executable, "-m", "experiments.main", f"--config={CONFIG}:{method}",
@@ -72,8 +75,16 @@ def run_training(
         f"--config.steps_per_call={per_call}",
         *([] if per_call == 10 else [f"--config.eval_every={per_call}"]),  # a probe's 2 calls
     ]  # fmt: skip
-    keep = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
-    return runs.launched(argv, workdir, keep)
+
+
+def run_training(
+    n: int, rate: str, method: str, seed: int, steps: int, stop: int, per_call: int = 10
+) -> dict:
+    """One launched run; returns its command, wall time and metrics rows."""
+    workdir = os.path.join(FLAGS.workroot, f"n{n}", rate, method, f"s{seed}")
+    subprocess.run(["rm", "-rf", workdir], check=True)
+    argv = training_argv(workdir, n, rate, method, seed, steps, stop, per_call)
+    return runs.launched(argv, workdir, KEEP)
 
 
 def write_report(path: str) -> None:
