@@ -25,6 +25,8 @@ predictions with measured training steps).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -48,7 +50,7 @@ from jaxcomm import calibrate, distributed, policy
 FLAGS = flags.FLAGS
 
 
-def _base_optimizer(config) -> optax.GradientTransformation:
+def base_optimizer(config) -> optax.GradientTransformation:
     """The config's optimizer with no exchange (optax's; SGD for the jaxcomm-only ones)."""
     name = config.optimizer.name
     kwargs = dict(config.optimizer.get("kwargs", {}))
@@ -57,28 +59,40 @@ def _base_optimizer(config) -> optax.GradientTransformation:
     return optax.sgd(train.learning_rate(config))
 
 
+def train_call(config, model, params, stats, mesh, ds, tx) -> Callable[[], Any]:
+    """The config's training call with ``tx``, compiled and run once: ``run()`` runs the next.
+
+    Each ``run()`` makes one call (``config.steps_per_call`` steps) on the
+    state the previous one returned and waits for it.
+    """
+    n = mesh.shape[train.AXIS]
+    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
+    state = train.TrainState(
+        jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
+    )
+    held = [distributed.shard_rows(state, mesh, train.AXIS)]
+    x, y = distributed.shard_rows((ds.x_train, ds.y_train), mesh, train.AXIS)
+    call = train.make_train_call(model, tx, mesh, ds, config).lower(held[0], x, y).compile()
+
+    def run():
+        held[0], losses = call(held[0], x, y)
+        return jax.block_until_ready(losses)
+
+    run()  # warm-up
+    return run
+
+
 def compute_step_s(config, model, params, stats, mesh, ds, calls: int = 7) -> float:
     """Seconds per training step with no exchange: the config's step, the median of ``calls`` calls.
 
     The median (not the least) call, like the candidates' costs (``statistic="median"``):
     the prediction is of training's median step.
     """
-    n = mesh.shape[train.AXIS]
-    tx = _base_optimizer(config)
-    stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
-    state = train.TrainState(
-        jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
-    )
-    state = distributed.shard_rows(state, mesh, train.AXIS)
-    x, y = distributed.shard_rows((ds.x_train, ds.y_train), mesh, train.AXIS)
-    call = train.make_train_call(model, tx, mesh, ds, config).lower(state, x, y).compile()
-    state, losses = call(state, x, y)  # warm-up
-    jax.block_until_ready(losses)
+    run = train_call(config, model, params, stats, mesh, ds, base_optimizer(config))
     times = []
     for _ in range(calls):
         start = time.perf_counter()
-        state, losses = call(state, x, y)
-        jax.block_until_ready(losses)
+        run()
         times.append(time.perf_counter() - start)
     return statistics.median(calibrate.slowest_process(times)) / config.steps_per_call
 

@@ -211,7 +211,6 @@ def make_optimizer(
                 "config.compressor.name: 'dgc'/'dgc_sgd' need policy='none', "
                 "wrapper 'none' or 'accumulate'"
             )
-    factory = getattr(jaxcomm, comp_name)
     try:
         if comp_name == "auto" and params is None:
             comm = jaxcomm.allreduce(axis_name=AXIS)  # validation: the choice needs the mesh
@@ -224,7 +223,7 @@ def make_optimizer(
             chained = jaxcomm.dgc_sgd(lr, **kwargs)
             comm = None
         else:
-            comm = factory(**_factory_kwargs(factory, comp_kwargs, config.seed))
+            comm = make_compressor(config)
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.compressor.kwargs: bad value for {comp_name!r}: {e}") from None
     if comm is not None and policy == "matrices":
@@ -263,6 +262,23 @@ def make_optimizer(
     if wrapper == "accumulate":
         return jaxcomm.accumulate(chained, every=every)
     return chained
+
+
+def make_compressor(
+    config: ml_collections.ConfigDict, axis_name: Any = AXIS
+) -> optax.GradientTransformation:
+    """``config.compressor``'s transform alone, on ``axis_name`` (None: compress locally).
+
+    Only a plain factory of :mod:`jaxcomm` (not ``auto`` or ``dgc_sgd``, which
+    need the mesh or the learning rate): what :func:`make_optimizer` chains
+    before the optimizer, for benchmarks that time its parts.
+    """
+    name = _choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
+    if name in ("auto", "dgc_sgd"):
+        raise ValueError(f"config.compressor.name: {name!r} is not a plain compressor")
+    factory = getattr(jaxcomm, name)
+    kwargs = _factory_kwargs(factory, dict(config.compressor.get("kwargs", {})), config.seed)
+    return factory(**dict(kwargs, axis_name=axis_name))
 
 
 def comm_steps(config: ml_collections.ConfigDict, step: int) -> int:

@@ -606,8 +606,8 @@ loaded from git) and states the targets they meet
 `threshold` is the fast sparsifier: one fold of the gradient and a top-k
 over 4k candidates instead of all d entries. The entries fall into m
 classes p[j], p[j+m], p[j+2m], …, m a prime >= 2k; folding the (d/m, m)
-view in halves gives each class's largest and runner-up, and the k largest
-of these 2m candidates that reach a sampled threshold are sent (k slots,
+view, 8 row slices a level, gives each class's largest and runner-up, and
+the k largest of these 2m candidates that reach a sampled threshold are sent (k slots,
 top-k's wire). The threshold is a sort-free exact k-th largest of a
 prime-stride sample (about 1%, made denser where fewer than 32 sampled
 entries would reach it), set at 1.25× the sample's top-ratio count so that
@@ -826,9 +826,20 @@ python -m experiments.launch --processes=2 --rate=10mbit -- \
 prints the calibrated link (`jaxcomm.calibrate`: alpha and bandwidth per
 collective kind), the step with no exchange, each candidate's measured cost,
 predicted step time and alpha-beta prediction, and the recommendation with
-its reason. `experiments/bench/auto.py` runs dense, `auto` and fixed methods
-side by side on shaped links and checks the predictions against measured
-steps (`experiments/results/auto.md`).
+its reason. Its prediction is of training's *median* step: the no-exchange
+step and each cost are the median of their samples
+(`policy.measure(..., statistic="median")`), where `auto` compares the least
+(a choice wants the noise out). Two processes sharing a small machine stall
+each other now and then (on the digits MLP a call of 25 steps took 11 to 100
+ms on loopback), so the mean step, which time to target pays, can sit well
+above the median. `experiments/bench/auto.py` runs dense, `auto` and fixed
+methods side by side on shaped links and checks the predictions against the
+measured median steps (`experiments/results/auto.md`); the training loop
+records each call's seconds (`call_s` in `metrics.jsonl`).
+
+Where a small model's compressed step goes (the step with no exchange, the
+codec, the collectives, the rest) is measured by
+`python -m experiments.bench.step_parts` (`experiments/results/step_parts.md`).
 
 # Side by side with PyTorch DDP comm hooks (`experiments/bench/peers.py`)
 

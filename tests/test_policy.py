@@ -218,14 +218,19 @@ def test_a_candidate_far_slower_than_the_fastest_leaves_after_one_round():
     base, fast, mid, slow = _Sleeper(0.0), _Sleeper(0.02), _Sleeper(0.03), _Sleeper(0.3)
     best = policy.time_programs([(p, None) for p in (base, fast, mid, slow)], 4)
     # one call to size the samples, then samples of >= SAMPLE_S (0.05 s): 3 calls of 0.02 s,
-    # 2 of 0.03 s, 1 of 0.3 s; the slow one is sampled in round 1 only
-    assert [p.calls for p in (fast, mid, slow)] == [1 + 4 * 3, 1 + 4 * 2, 1 + 1]
+    # 2 of 0.03 s, 1 of 0.3 s, each after an untimed lead-in call (a call < LEAD_IN_S); the
+    # slow one is sampled in round 1 only
+    assert [p.calls for p in (fast, mid, slow)] == [1 + 4 * (1 + 3), 1 + 4 * (1 + 2), 1 + 2]
     assert best[3] >= 0.3 and best[1] >= 0.02 and len(best) == 4
     slow.calls, settled = 0, []
     policy.time_programs([(p, None) for p in (base, fast, slow)], 4, drop=False,
                          settle=lambda: settled.append(1))  # fmt: skip
-    assert slow.calls == 1 + 4
+    assert slow.calls == 1 + 4 * 2
     assert len(settled) == 3 * 4  # after every sample: the link drains before the next
+    # a call of LEAD_IN_S or more has no lead-in
+    long = _Sleeper(policy.LEAD_IN_S)
+    policy.time_programs([(base, None), (long, None)], 2, drop=False)
+    assert long.calls == 1 + 2
 
 
 class _Varying:
@@ -244,10 +249,11 @@ class _Varying:
 
 
 def test_time_programs_sums_up_samples_by_the_least_or_the_median():
-    # the sizing call sleeps 0.06 s (> SAMPLE_S: one call a sample); the samples are then
-    # 0.20, 0.10 and 0.06 s: their least is 0.06, their median 0.10
+    # the sizing call sleeps 0.06 s (> SAMPLE_S: one call a sample); each sample follows an
+    # untimed lead-in call (0.01 s); the samples are 0.20, 0.10 and 0.06 s: their least is
+    # 0.06, their median 0.10
     def times(statistic):
-        progs = [(_Sleeper(0.0), None), (_Varying([0.06, 0.2, 0.1, 0.06]), None)]
+        progs = [(_Sleeper(0.0), None), (_Varying([0.06, 0.01, 0.2, 0.01, 0.1, 0.01, 0.06]), None)]
         return policy.time_programs(progs, 3, drop=False, statistic=statistic)[1]
 
     least, median = times("min"), times("median")

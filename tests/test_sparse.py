@@ -259,8 +259,11 @@ def test_k_is_at_least_one_and_at_most_d():
 
 
 @pytest.mark.parametrize(
-    "d, m", [(1, 1), (7, 2), (45, 4), (1000, 1000), (10007, 97), (50000, 49), (50000, 53)]
-)
+    "d, m",
+    [(1, 1), (7, 2), (45, 4), (1000, 1000), (10007, 97), (50000, 49), (50000, 53),
+     # row counts around the fold's width (8 slices a level; the last ones clipped)
+     (9 * 11 + 3, 11), (17 * 13, 13), (65 * 7 + 2, 7), (64 * 5, 5)],
+)  # fmt: skip
 def test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class(d, m):
     from jaxcomm.compressors.sparse import _strided_best
 

@@ -66,12 +66,19 @@ def _auto() -> str:
     return auto.report(_load("auto.json"))
 
 
+def _step_parts() -> str:
+    from experiments.bench import step_parts
+
+    return step_parts.report(_load("step_parts.json"))
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "auto": _auto,
     "floor": _floor,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
     "overlap": _overlap,
+    "step_parts": _step_parts,
 }
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
@@ -80,6 +87,11 @@ DOCUMENTS = {
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),
+    "step_parts": (
+        "step_parts.md",
+        "step_parts.json",
+        "Where a small step goes (2 processes)",
+    ),
 }
 
 

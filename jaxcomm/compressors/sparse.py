@@ -348,8 +348,8 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
 
     ``a`` is non-negative float32 of shape ``(d,)``, ``m <= d``. Block ``j``
     holds the entries ``j, j+m, j+2m, ...``: the first ``(d // m)·m`` entries
-    viewed as a ``(d // m, m)`` array are reduced over axis 0 (pairwise folds
-    of contiguous rows, which vectorise and read ``a`` once), the last
+    viewed as a ``(d // m, m)`` array are reduced over axis 0 (folds of 8
+    slices of contiguous rows, which vectorise and read ``a`` once), the last
     ``d mod m`` entries join blocks ``0..d mod m - 1``.
 
     Non-negative floats order like their bit patterns, so the low ``R`` bits
@@ -382,32 +382,53 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
         r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
         return lax.bitcast_convert_type((pattern & ~low) | (low - r), jnp.float32)
 
-    # Fold the rows in halves (max of the first and last ceil(r/2) rows), log2(rows)
-    # times: every step is elementwise over contiguous rows and fuses with the key
-    # computation. On XLA:CPU a reduction over axis 0 (strided or transposed) was
-    # slower, and a concatenate in the folds breaks their fusion (cost against a
-    # gradient copy: python -m experiments.bench.compressors). With an odd row
-    # count the middle row is in both halves: harmless for the maximum, and masked
-    # out of the second operand (row 0 of the last half) for the runner-up.
-    best = keys(a[: rows * m].reshape(rows, m), 0)
+    # Fold the rows _FOLD ways at a time (the elementwise max of _FOLD slices of
+    # ceil(r/_FOLD) contiguous rows), log_FOLD(rows) times: every level reads its
+    # input once, is elementwise over contiguous rows and fuses with the key
+    # computation, and writes 1/_FOLD of it (folding in halves wrote half the
+    # input at every level: a gradient's worth of writes over all levels). On
+    # XLA:CPU a reduction over axis 0 (strided or transposed) was slower, and a
+    # concatenate in the folds breaks their fusion (cost against a gradient copy:
+    # python -m experiments.bench.floor). The last slice starts at r - c so that
+    # every slice has c rows; its rows that an earlier slice holds too are masked
+    # out for the runner-up (harmless for the maximum).
     none = jnp.float32(-jnp.inf)
-    lo = jnp.full_like(best, none) if second else None
+
+    def combine(x, y):
+        (h1, l1), (h2, l2) = x, y
+        if not second:
+            return jnp.maximum(h1, h2), None
+        lo = jnp.minimum(h1, h2)
+        for extra in (l1, l2):
+            lo = lo if extra is None else jnp.maximum(lo, extra)
+        return jnp.maximum(h1, h2), lo
+
+    best, lo = keys(a[: rows * m].reshape(rows, m), 0), None
     while best.shape[0] > 1:
         r = best.shape[0]
-        c = (r + 1) // 2
-        h1, h2 = best[:c], best[r - c :]
+        f = min(_FOLD, r)
+        c = -(-r // f)
+        parts = []
+        for i in range(f):
+            start = min(i * c, r - c)
+            h = best[start : start + c]
+            low_part = None if lo is None else lo[start : start + c]
+            if second and i * c > start:  # leading rows an earlier slice holds
+                seen = (jnp.arange(c) < i * c - start)[:, None]
+                h = jnp.where(seen, none, h)
+                low_part = None if low_part is None else jnp.where(seen, none, low_part)
+            parts.append((h, low_part))
+        while len(parts) > 1:
+            paired = [combine(x, y) for x, y in zip(parts[::2], parts[1::2])]
+            parts = paired + parts[len(parts) - len(parts) % 2 :]
+        best, lo = parts[0]
         if second:
-            lo2 = lo[r - c :]
-            if r % 2:
-                middle = (jnp.arange(c) == 0)[:, None]
-                h2, lo2 = jnp.where(middle, none, h2), jnp.where(middle, none, lo2)
-            lo = jnp.maximum(jnp.minimum(h1, h2), jnp.maximum(lo[:c], lo2))
             # Both keys travel to the next level as one complex64 array behind a
             # barrier: as two arrays XLA:CPU computed each level's input twice.
-            z = lax.optimization_barrier(lax.complex(jnp.maximum(h1, h2), lo))
+            z = lax.optimization_barrier(lax.complex(best, lo))
             best, lo = jnp.real(z), jnp.imag(z)
-        else:
-            best = jnp.maximum(h1, h2)
+    if second and lo is None:  # one row: no runner-up
+        lo = jnp.full_like(best, none)
     best = best[0]
     if second:
         lo = lo[0]
@@ -430,6 +451,8 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     return rows_of(best), rows_of(lo), lo > none
 
 
+# Rows :func:`_strided_best` folds into one per level.
+_FOLD = 8
 # How much work the choice of the period may do, per (k, d) and once per process:
 # band entries scored (in NumPy), and primes tried.
 _PERIOD_BUDGET = 50_000_000
@@ -537,8 +560,8 @@ class Threshold(_Sparse):
     ``k = max(1, ceil(ratio·d))`` payload slots (top-k's wire). The entries
     fall into ``m`` classes ``j, j+m, j+2m, ...`` (:func:`_period`: a prime
     ``>= 2k`` chosen for ``d``, or ``m = d``); one fold of the ``(d // m, m)``
-    view in halves (:func:`_strided_best`) gives each class's largest and
-    runner-up magnitude, ``2m`` candidates. Because ``m`` is prime and
+    view, 8 row slices at a time (:func:`_strided_best`), gives each class's
+    largest and runner-up magnitude, ``2m`` candidates. Because ``m`` is prime and
     ``>= 2k``, a run of consecutive entries (a row of a matrix leaf) falls in
     distinct classes, and so does a column (entries a row length apart); a
     class loses only its third and later entries of the true top-k.
@@ -648,8 +671,8 @@ def threshold(
     has top-k's ``k = ceil(ratio·d)`` slots. The entries fall into ``m``
     classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``,
     every entry a candidate, when no such prime is below ``d``); one fold
-    of the ``(d // m, m)`` view in halves gives each class's largest and
-    runner-up magnitude, and the ``k`` largest of these ``2m`` candidates
+    of the ``(d // m, m)`` view, 8 row slices at a time, gives each class's
+    largest and runner-up magnitude, and the ``k`` largest of these ``2m`` candidates
     that reach the threshold are sent. With
     ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
     (``s`` the smallest prime ``>= round(1/sample_ratio)``, or a denser one

@@ -1,0 +1,189 @@
+r"""Where a small model's compressed step goes: no exchange, codec, collectives, the rest.
+
+Command (root, iproute2; ~4 min on 2 CPU cores):
+  python -m experiments.bench.step_parts --out=experiments/results/step_parts.json
+Tables from the JSON (no runs): ``python -m experiments.studies.tables``.
+
+For the digits MLP (``experiments/configs/digits_mlp.py``, 9.6k parameters)
+on each link of ``--rates`` (2 processes, ``experiments.launch``, each egress
+shaped by ``tc ... tbf``), one session per link times, round by round
+(interleaved, so the machine's load drifts over all alike):
+
+* ``step``: the config's training call (``--steps_per_call`` steps:
+  gradient, exchange, optimizer, as ``experiments.main`` trains) with each
+  method's exchange, and with **none** (the optimizer alone, each worker on
+  its own batch); per step, the median call over ``--rounds`` rounds;
+* ``exchange``: the method's transform alone on a gradient shaped like the
+  params (:func:`jaxcomm.policy.measure`: its program's median sample minus
+  that of a program that only draws the gradient);
+* ``codec``: the same transform built without an axis (compress, decompress
+  and error feedback on each worker; nothing sent), measured alike.
+
+A step's parts: ``codec``; ``collectives`` = exchange - codec (their fixed
+cost and the bytes on the link); ``rest`` = step - none - exchange (what the
+real step adds: waiting for the other process, scheduling beside the
+gradient's compute). The target (issue "Compressors at the floor"): a
+compressed step within 1.5 ms of the step with no exchange at 100 Mbit/s.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+CONFIG = "experiments/configs/digits_mlp.py"
+#: The methods timed beside the step with no exchange (digits_mlp.py's variants).
+METHODS = ("dense", "powersgd", "ef_sign", "topk", "threshold")
+#: The issue's bound: a compressed step within this many ms of the step with no exchange.
+TARGET_MS = 1.5
+
+
+def define_flags() -> None:
+    flags.DEFINE_list("rates", ["loopback", "100mbit"], "links (2 processes each)")
+    flags.DEFINE_list("methods", list(METHODS), "digits_mlp variants")
+    flags.DEFINE_integer("steps_per_call", 25, "training steps per call")
+    flags.DEFINE_integer("rounds", 12, "timed calls of each method (x steps_per_call steps)")
+    flags.DEFINE_integer("repeats", 7, "timed samples of each part (policy.measure)")
+    flags.DEFINE_string("out", "experiments/results/step_parts.json", "JSON written")
+    flags.DEFINE_string("session_out", "", "(internal) one session's JSON, under launch")
+    flags.DEFINE_bool("report", False, "only write the tables from --out")
+
+
+def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
+    """One link's measurements; every process of the launch runs it."""
+    from experiments import advise, train
+    from experiments import data as data_lib
+    from experiments.configs import digits_mlp
+    from jaxcomm import accounting, calibrate, distributed, policy
+
+    distributed.initialize()
+    configs = {m: digits_mlp.get_config(m) for m in methods}
+    base = digits_mlp.get_config("dense")
+    for c in (base, *configs.values()):
+        c.steps_per_call = steps_per_call
+    n = train.n_workers_of(base)
+    ds = data_lib.load(base.data, n, seed=base.seed)
+    model, params, stats = train.build_model(base, ds)
+    mesh = distributed.global_mesh(train.AXIS, n)
+    txs = {"none": advise.base_optimizer(base)}
+    txs.update({m: train.make_optimizer(c) for m, c in configs.items()})
+    runs = {k: advise.train_call(base, model, params, stats, mesh, ds, tx) for k, tx in txs.items()}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        got = []
+        for run in runs.values():
+            start = time.perf_counter()
+            run()
+            got.append(time.perf_counter() - start)
+        for k, t in zip(runs, calibrate.slowest_process(got)):
+            times[k].append(t / steps_per_call)
+
+    make = lambda m, ax: lambda _: train.make_compressor(configs[m], ax)
+    cands = [policy.Candidate(m, make(m, train.AXIS)) for m in methods]
+    cands += [policy.Candidate(f"{m}@local", make(m, None)) for m in methods]
+    parts = policy.measure(params, mesh, train.AXIS, candidates=cands, repeats=repeats,
+                           drop=False, statistic="median")  # fmt: skip
+    out = {"n": n, "steps_per_call": steps_per_call, "rounds": rounds, "methods": {}}
+    for k in runs:
+        row = {"step_s": statistics.median(times[k]), "mean_step_s": statistics.fmean(times[k])}
+        if k != "none":
+            comm = train.make_compressor(configs[k])
+            row.update(
+                exchange_s=parts[k],
+                codec_s=parts[f"{k}@local"],
+                wire_bytes=sum(c.nbytes for c in accounting.wire_report(comm, params, n)),
+            )
+        out["methods"][k] = row
+    return out
+
+
+def run_link(rate: str) -> dict:
+    """One launched session on ``rate``; its JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "session.json")
+        argv = [sys.executable, "-m", "experiments.launch", "--processes=2",
+                "--devices_per_process=1", *([] if rate == "loopback" else [f"--rate={rate}"]),
+                "--", sys.executable, "-m", "experiments.bench.step_parts",
+                f"--session_out={path}", f"--methods={','.join(FLAGS.methods)}",
+                f"--steps_per_call={FLAGS.steps_per_call}", f"--rounds={FLAGS.rounds}",
+                f"--repeats={FLAGS.repeats}"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(argv)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
+            )
+        with open(path) as f:
+            return json.load(f)
+
+
+def report(results: dict) -> str:
+    """Per link, each method's median step and its parts (ms per step)."""
+    lines = []
+    for rate, res in results["links"].items():
+        none = res["methods"]["none"]["step_s"]
+        lines += [
+            f"**{rate}**, 2 processes: median of {res['rounds']} calls of "
+            f"{res['steps_per_call']} steps; no exchange {none * 1e3:.2f} ms/step.",
+            "",
+            "| method | bytes/step | step ms (mean) | - none | codec | collectives | rest "
+            f"| within {TARGET_MS} ms of none |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for m, r in res["methods"].items():
+            if m == "none":
+                continue
+            over = r["step_s"] - none
+            coll = r["exchange_s"] - r["codec_s"]
+            rest = r["step_s"] - none - r["exchange_s"]
+            ok = "yes" if over * 1e3 <= TARGET_MS else "**no**"
+            lines.append(
+                f"| {m} | {r['wire_bytes']:,} | {r['step_s'] * 1e3:.2f} "
+                f"({r['mean_step_s'] * 1e3:.2f}) | {over * 1e3:.2f} | {r['codec_s'] * 1e3:.2f} "
+                f"| {coll * 1e3:.2f} | {rest * 1e3:.2f} | {ok} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.session_out:
+        import jax
+
+        res = session(FLAGS.methods, FLAGS.steps_per_call, FLAGS.rounds, FLAGS.repeats)
+        if jax.process_index() == 0:
+            with open(FLAGS.session_out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
+    from experiments.studies import runs, tables
+
+    if not FLAGS.report:
+        results = {"note": "\n\n".join(__doc__.split("\n\n")[2:]), "links": {}}
+        for rate in FLAGS.rates:
+            results["links"][rate] = run_link(rate)
+            print(f"{rate}: done", flush=True)
+        runs.save_json(FLAGS.out, results)
+    with open(FLAGS.out) as f:
+        text = report(json.load(f))
+    print(text)
+    if os.path.abspath(FLAGS.out) == os.path.join(tables.RESULTS, "step_parts.json"):
+        tables.main([])
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

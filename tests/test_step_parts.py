@@ -1,0 +1,41 @@
+"""experiments.bench.step_parts on 8 CPU devices: one session's rows, and its report."""
+
+import jax
+import pytest
+
+from experiments import data as data_lib
+from experiments import train
+from experiments.bench import step_parts
+from experiments.configs import digits_mlp
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return step_parts.session(["dense", "topk"], steps_per_call=2, rounds=2, repeats=1)
+
+
+def test_a_session_times_each_method_beside_no_exchange(measured):
+    assert measured["n"] == 8 and list(measured["methods"]) == ["none", "dense", "topk"]
+    for name, row in measured["methods"].items():
+        assert row["step_s"] > 0 and row["mean_step_s"] > 0
+        if name != "none":
+            assert row["exchange_s"] >= 0 and row["codec_s"] >= 0
+    # dense all-reduce: every float32 parameter once per step (closed form)
+    config = digits_mlp.get_config("dense")
+    ds = data_lib.load(config.data, 8, seed=config.seed)
+    _, params, _ = train.build_model(config, ds)
+    entries = sum(x.size for x in jax.tree.leaves(params))
+    assert measured["methods"]["dense"]["wire_bytes"] == 4 * entries
+    assert measured["methods"]["topk"]["wire_bytes"] < entries  # 1%: values + indices
+
+
+def test_the_report_splits_each_step_into_its_parts(measured):
+    res = {"links": {"loopback": measured}}
+    lines = step_parts.report(res).splitlines()
+    m = measured["methods"]
+    row = next(x for x in lines if x.startswith("| topk |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    none, t = m["none"]["step_s"], m["topk"]
+    assert cells[3] == f"{(t['step_s'] - none) * 1e3:.2f}"
+    assert cells[5] == f"{(t['exchange_s'] - t['codec_s']) * 1e3:.2f}"
+    assert cells[6] == f"{(t['step_s'] - none - t['exchange_s']) * 1e3:.2f}"
