@@ -10,9 +10,11 @@ Two parts:
   collective per leaf) and the default 25 MiB buckets.
 * **2 real processes on loopback** (gloo, one CPU device each, started here
   as two subprocesses with ``jax.distributed``): the dense step of the MLP
-  tree and of the study's wide MLP (64-1024-1024-10, 1.12M params) with
-  ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
-  concatenates the gradients and does one ``pmean``; and the gloo
+  tree, the study's wide MLP (64-1024-1024-10, 1.12M params) and ResNet-18
+  with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
+  concatenates the gradients and does one ``pmean``; each transform of
+  ``--procs_transforms`` bucketed / per leaf (the update from ``init``'s
+  state); and the gloo
   latency α, fitted as the slope of the best step time over k chained
   4-byte all-reduces (k = 1..16).
 
@@ -42,7 +44,10 @@ flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
 flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
 flags.DEFINE_integer("port", 0, "internal: coordinator port")
 flags.DEFINE_string("trees", "mlp,resnet18", "trees for the fake-device part")
-flags.DEFINE_string("procs_trees", "mlp,wide_mlp", "trees for the 2-process part")
+flags.DEFINE_string("procs_trees", "mlp,wide_mlp,resnet18", "trees for the 2-process part")
+flags.DEFINE_string(
+    "procs_transforms", "ef_sign,topk,cast,powersgd", "bucketed vs per leaf, 2 processes"
+)
 
 
 def _transforms(key):
@@ -229,6 +234,10 @@ def _worker(pid: int, port: int, reps: int) -> None:
             ),
             "hand_fused_pmean": sharded(fused),
         }
+        makers = _transforms(jax.random.key(0))
+        for name in filter(None, FLAGS.procs_transforms.split(",")):
+            cases[f"{name}_bucketed"] = jaxcomm_step(makers[name]())
+            cases[f"{name}_per_leaf"] = jaxcomm_step(makers[name](bucket_bytes=None))
         times = {}
         for _ in range(2):  # interleave the cases twice, keep the better median
             for name, fn in cases.items():
@@ -276,6 +285,10 @@ def procs_part(reps: int) -> dict:
         base = r["hand_fused_pmean"]
         for name in ("allreduce_bucketed", "allreduce_per_leaf"):
             r[f"{name}_vs_fused"] = r[name] / base
+        for name in ["allreduce", *filter(None, FLAGS.procs_transforms.split(","))]:
+            r[f"{name}_bucketed_vs_per_leaf"] = r[f"{name}_bucketed"] / r[f"{name}_per_leaf"]
+            print(f"2 processes, {tree_name}, {name}: bucketed / per leaf "
+                  f"{r[f'{name}_bucketed_vs_per_leaf']:.2f}", flush=True)  # fmt: skip
         print(
             f"2 processes, gloo loopback, {tree_name} ({r['params']} params): "
             f"jaxcomm.allreduce() bucketed {r['allreduce_bucketed_vs_fused']:.2f}x, per leaf "
