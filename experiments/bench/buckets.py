@@ -13,8 +13,9 @@ Two parts:
   tree, the study's wide MLP (64-1024-1024-10, 1.12M params) and ResNet-18
   with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
   concatenates the gradients and does one ``pmean``; each transform of
-  ``--procs_transforms`` bucketed / per leaf (the update from ``init``'s
-  state); and the gloo
+  ``--procs_transforms`` bucketed (the default 25 MiB and the sizes of
+  ``--procs_bucket_mib``) / per leaf (the update from ``init``'s state); and
+  the gloo
   latency α, fitted as the slope of the best step time over k chained
   4-byte all-reduces (k = 1..16).
 
@@ -48,6 +49,7 @@ flags.DEFINE_string("procs_trees", "mlp,wide_mlp,resnet18", "trees for the 2-pro
 flags.DEFINE_string(
     "procs_transforms", "ef_sign,topk,cast,powersgd", "bucketed vs per leaf, 2 processes"
 )
+flags.DEFINE_string("procs_bucket_mib", "1,4", "other bucket sizes (MiB) timed, 2 processes")
 
 
 def _transforms(key):
@@ -238,6 +240,10 @@ def _worker(pid: int, port: int, reps: int) -> None:
         for name in filter(None, FLAGS.procs_transforms.split(",")):
             cases[f"{name}_bucketed"] = jaxcomm_step(makers[name]())
             cases[f"{name}_per_leaf"] = jaxcomm_step(makers[name](bucket_bytes=None))
+        for name in ["allreduce", *filter(None, FLAGS.procs_transforms.split(","))]:
+            for mib in map(int, filter(None, FLAGS.procs_bucket_mib.split(","))):
+                tx = makers[name](bucket_bytes=mib << 20)
+                cases[f"{name}_bucketed_{mib}mib"] = jaxcomm_step(tx)
         times = {}
         for _ in range(2):  # interleave the cases twice, keep the better median
             for name, fn in cases.items():
@@ -287,8 +293,13 @@ def procs_part(reps: int) -> dict:
             r[f"{name}_vs_fused"] = r[name] / base
         for name in ["allreduce", *filter(None, FLAGS.procs_transforms.split(","))]:
             r[f"{name}_bucketed_vs_per_leaf"] = r[f"{name}_bucketed"] / r[f"{name}_per_leaf"]
-            print(f"2 processes, {tree_name}, {name}: bucketed / per leaf "
-                  f"{r[f'{name}_bucketed_vs_per_leaf']:.2f}", flush=True)  # fmt: skip
+            other = ""
+            for mib in map(int, filter(None, FLAGS.procs_bucket_mib.split(","))):
+                key = f"{name}_bucketed_{mib}mib"
+                r[f"{key}_vs_per_leaf"] = r[key] / r[f"{name}_per_leaf"]
+                other += f", {mib} MiB buckets {r[f'{key}_vs_per_leaf']:.2f}"
+            print(f"2 processes, {tree_name}, {name}: bucketed (25 MiB) / per leaf "
+                  f"{r[f'{name}_bucketed_vs_per_leaf']:.2f}{other}", flush=True)  # fmt: skip
         print(
             f"2 processes, gloo loopback, {tree_name} ({r['params']} params): "
             f"jaxcomm.allreduce() bucketed {r['allreduce_bucketed_vs_fused']:.2f}x, per leaf "
