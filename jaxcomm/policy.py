@@ -275,6 +275,11 @@ def _calls_per_sample(programs) -> tuple[list[int], list[bool]]:
 STATISTICS = ("min", "median")
 
 
+def _check_statistic(statistic: str) -> None:
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
+
+
 def time_programs(
     programs,
     repeats: int,
@@ -300,8 +305,7 @@ def time_programs(
     bytes to a peer still sit in a queue, and would charge them to the next
     program).
     """
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
+    _check_statistic(statistic)
     calls, lead_in = _calls_per_sample(programs)
     samples: list[list[float]] = [[] for _ in programs]
     playing = list(range(len(programs)))
@@ -325,9 +329,7 @@ def time_programs(
         fastest = min(best[1:])
         if drop:
             playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
-    if statistic == "min":
-        return [min(s) for s in samples]
-    return [statistics.median(s) for s in samples]
+    return best if statistic == "min" else [statistics.median(s) for s in samples]
 
 
 def _settle(mesh, axis_name) -> Callable[[], Any]:
@@ -415,8 +417,7 @@ def measure(
     """
     cands = _check_candidates(candidates)
     checks.check_int(repeats, "repeats", 1)
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
+    _check_statistic(statistic)
     calibrate.axis_size(mesh, axis_name)
     shapes = _shapes(params)
     key = (

@@ -35,6 +35,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import functools
 import json
 import statistics
 import subprocess
@@ -92,9 +93,11 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
         for k, t in zip(runs, calibrate.slowest_process(got)):
             times[k].append(t / steps_per_call)
 
-    make = lambda m, ax: lambda _: train.make_compressor(configs[m], ax)
-    cands = [policy.Candidate(m, make(m, train.AXIS)) for m in methods]
-    cands += [policy.Candidate(f"{m}@local", make(m, None)) for m in methods]
+    # measure builds each candidate on train.AXIS; the "@local" ones ignore it (no exchange)
+    cands = [policy.Candidate(m, functools.partial(train.make_compressor, configs[m]))
+             for m in methods]  # fmt: skip
+    cands += [policy.Candidate(f"{m}@local", lambda _, c=configs[m]: train.make_compressor(c, None))
+              for m in methods]  # fmt: skip
     parts = policy.measure(params, mesh, train.AXIS, candidates=cands, repeats=repeats,
                            drop=False, statistic="median")  # fmt: skip
     out = {"n": n, "steps_per_call": steps_per_call, "rounds": rounds, "methods": {}}
