@@ -468,7 +468,7 @@ def compress(
     min_size: int = 1024,
     key: jax.Array | None = None,
     scope: str = "leaf",
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -494,7 +494,8 @@ def compress(
         flat buffers of at most this many bytes, filled from the last leaf
         to the first (backprop order), and each buffer is exchanged with one
         collective: psum buckets per dtype, all-gather buckets as raw bytes.
-        Default 25 MiB (PyTorch DDP's). ``None`` or 0: one collective per
+        Default ``"auto"``: 25 MiB (PyTorch DDP's) on GPU/TPU, 1 MiB on CPU
+        (:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one collective per
         payload array. Results are bit-identical either way.
       state_dtype: dtype of the residual (:func:`resolve_state_dtype`).
         ``None``: float32 for bf16/fp16 leaves, the leaf's dtype otherwise.

@@ -122,7 +122,7 @@ def hierarchical(
     *,
     inner_axis: str,
     inner_size: int | None = None,
-    bucket_bytes: int | None = 25 * 2**20,
+    bucket_bytes: int | str | None = 25 * 2**20,
 ) -> optax.GradientTransformation:
     """Two-level exchange on a 2-D mesh: dense on the fast axis, ``tx`` on the slow one.
 
@@ -152,7 +152,7 @@ def hierarchical(
         state); ``None`` for the replicated form.
       bucket_bytes: the inner axis's reduce-scatter / all-gather (or dense
         mean) go one collective per bucket of this many bytes
-        (:mod:`jaxcomm.buckets`; default 25 MiB); ``None``: one per leaf.
+        (:mod:`jaxcomm.buckets`; default ``"auto"``); ``None``: one per leaf.
         ``tx`` buckets its own slow-axis exchange.
 
     Returns:

@@ -554,8 +554,14 @@ that go through the same collective into one flat buffer per bucket and
 exchanges it with **one single-operand collective** (`jaxcomm.buckets`;
 Horovod's Tensor Fusion, PyTorch DDP's buckets).
 
-Option on every factory: `bucket_bytes: int | None = 25 * 2**20`
-(keyword-only; `None`/0: one collective per payload array). Buckets fill
+Option on every factory: `bucket_bytes: int | str | None = "auto"`
+(keyword-only; `None`/0: one collective per payload array). `"auto"` is
+25 MiB (PyTorch DDP's) on GPU/TPU and 1 MiB on CPU
+(`jaxcomm.buckets.default_bucket_bytes`), resolved when the step is traced:
+on CPU, packing a payload and cutting it out again are copies that cost
+about what a loopback collective of the same bytes costs, so only small
+payloads gain from sharing one. A payload larger than a bucket goes as it
+is (no copy). Buckets fill
 from the last leaf to the first (backprop order). psum buckets hold one
 dtype; all-gather buckets bit-cast mixed payloads (values + int32 indices,
 codes + scales, bf16) to raw `uint8` bytes. Consecutive buckets are chained
@@ -578,7 +584,8 @@ On fake devices in one process a combined all-reduce is cheap and the
 bucket costs a copy, so measure bucketing across processes: `python -m
 experiments.bench.buckets` times bucketed and per-leaf steps over 2
 processes and counts the compiled collectives on 8 fake devices
-(`experiments/results/buckets.json`).
+(`experiments/results/buckets.json`; the 2-process table, generated:
+`experiments/results/buckets.md`).
 
 # Performance benchmarks
 

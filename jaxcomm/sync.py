@@ -341,7 +341,7 @@ def local_sgd(
     axis_name: AxisName | None,
     warmup_steps: int = 0,
     compressor: Any = None,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Local SGD: ``every`` local optimizer steps, then parameter averaging (post-local SGD).
 
@@ -374,7 +374,8 @@ def local_sgd(
         ``axis_name`` (e.g. ``jaxcomm.topk(0.01, axis_name="data")``) or a
         :class:`jaxcomm.Compressor` (wrapped with error feedback and
         ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
+        :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`LocalSGDState`; its
@@ -458,7 +459,7 @@ def diloco(
     axis_name: AxisName | None,
     outer: optax.GradientTransformation = _DILOCO_OUTER,
     compressor: Any = None,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """DiLoCo: ``every`` inner steps per worker, then an outer step on the averaged drift.
 
@@ -485,7 +486,8 @@ def diloco(
       compressor: ``None``, a jaxcomm transform built with the same
         ``axis_name`` or a :class:`jaxcomm.Compressor` (wrapped with error
         feedback and ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
+        :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`; its
@@ -576,7 +578,7 @@ def delayed_averaging(
     *,
     delay: int,
     axis_name: AxisName | None,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Delayed gradient averaging: use the local gradient now, the worker mean ``delay`` later.
 
@@ -600,7 +602,8 @@ def delayed_averaging(
       delay: steps between sending a gradient and using its mean, an int >= 0.
       axis_name: mesh axis to average over; ``None``: a single worker (the
         correction is zero).
-      bucket_bytes: tensor fusion of the averaging, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
+        :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DelayedAveragingState`;

@@ -7,14 +7,15 @@ Two parts:
   stages 64-512, 2 blocks, 62 leaves, 11.2M params), every transform's
   ``update`` under ``shard_map``: collective instructions and operands in the
   compiled HLO, and the median step time, with ``bucket_bytes=None`` (one
-  collective per leaf) and the default 25 MiB buckets.
+  collective per leaf) and the default buckets (``"auto"``: 1 MiB on CPU).
 * **2 real processes on loopback** (gloo, one CPU device each, started here
   as two subprocesses with ``jax.distributed``): the dense step of the MLP
   tree, the study's wide MLP (64-1024-1024-10, 1.12M params) and ResNet-18
   with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
   concatenates the gradients and does one ``pmean``; each transform of
-  ``--procs_transforms`` bucketed (the default 25 MiB and the sizes of
-  ``--procs_bucket_mib``) / per leaf (the update from ``init``'s state), each
+  ``--procs_transforms`` bucketed (the default ``"auto"``, 1 MiB on CPU, and
+  the sizes of ``--procs_bucket_mib``, 25 MiB the default before) / per leaf
+  (the update from ``init``'s state), each
   case's least time over ``3 * --reps`` interleaved rounds; and the gloo
   latency α, fitted as the slope of the best step time over k chained
   4-byte all-reduces (k = 1..16).
@@ -24,7 +25,9 @@ Quote ratios from one run, not absolute times: the machine is shared.
   python -m experiments.bench.buckets               # both parts, ~10 min on 2 cores
   python -m experiments.bench.buckets --part=procs  # only the 2-process part
 
-Writes ``experiments/results/buckets.json`` and prints a table.
+Writes ``experiments/results/buckets.json`` and prints a table; the table of
+the 2-process part (``report``) is generated into ``experiments/results/buckets.md``
+by ``python -m experiments.studies.tables``.
 """
 
 from __future__ import annotations
@@ -39,17 +42,21 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("part", "all", ["all", "devices", "procs"], "which part to run")
-flags.DEFINE_integer("reps", 5, "timed steps per case (median)")
-flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
-flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
-flags.DEFINE_integer("port", 0, "internal: coordinator port")
-flags.DEFINE_string("trees", "mlp,resnet18", "trees for the fake-device part")
-flags.DEFINE_string("procs_trees", "mlp,wide_mlp,resnet18", "trees for the 2-process part")
-flags.DEFINE_string(
-    "procs_transforms", "ef_sign,topk,cast,powersgd", "bucketed vs per leaf, 2 processes"
-)
-flags.DEFINE_string("procs_bucket_mib", "1,4", "other bucket sizes (MiB) timed, 2 processes")
+
+
+def define_flags() -> None:
+    """The command-line flags (only when run as a program: importing defines none)."""
+    flags.DEFINE_enum("part", "all", ["all", "devices", "procs"], "which part to run")
+    flags.DEFINE_integer("reps", 5, "timed steps per case (median)")
+    flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
+    flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
+    flags.DEFINE_integer("port", 0, "internal: coordinator port")
+    flags.DEFINE_string("trees", "mlp,resnet18", "trees for the fake-device part")
+    flags.DEFINE_string("procs_trees", "mlp,wide_mlp,resnet18", "trees for the 2-process part")
+    flags.DEFINE_string(
+        "procs_transforms", "ef_sign,topk,cast,powersgd", "bucketed vs per leaf, 2 processes"
+    )
+    flags.DEFINE_string("procs_bucket_mib", "4,25", "other bucket sizes (MiB) timed, 2 processes")
 
 
 def _transforms(key):
@@ -195,6 +202,7 @@ def _worker(pid: int, port: int, reps: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
+    from jaxcomm import buckets
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     sh = NamedSharding(mesh, P("data"))
@@ -256,6 +264,7 @@ def _worker(pid: int, port: int, reps: int) -> None:
                 t = time.perf_counter() - t0
                 times[name] = min(times.get(name, t), t)
         times["params"] = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
+        times["default_bucket_bytes"] = buckets.default_bucket_bytes()
         result[tree_name] = times
     # α: k chained 4-byte all-reduces (bucket_bytes=1: one bucket, one all-reduce, each)
     alpha = {}
@@ -282,7 +291,9 @@ def procs_part(reps: int) -> dict:
     env = dict(
         os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu"
     )
-    cmd = [sys.executable, "-m", "experiments.bench.buckets", f"--port={port}", f"--reps={reps}"]
+    cmd = [sys.executable, "-m", "experiments.bench.buckets", f"--port={port}", f"--reps={reps}",
+           f"--procs_trees={FLAGS.procs_trees}", f"--procs_transforms={FLAGS.procs_transforms}",
+           f"--procs_bucket_mib={FLAGS.procs_bucket_mib}"]  # fmt: skip
     procs = [
         subprocess.Popen(cmd + [f"--worker={pid}"], env=env, stdout=subprocess.PIPE, text=True)
         for pid in range(2)
@@ -304,7 +315,8 @@ def procs_part(reps: int) -> dict:
                 key = f"{name}_bucketed_{mib}mib"
                 r[f"{key}_vs_per_leaf"] = r[key] / r[f"{name}_per_leaf"]
                 other += f", {mib} MiB buckets {r[f'{key}_vs_per_leaf']:.2f}"
-            print(f"2 processes, {tree_name}, {name}: bucketed (25 MiB) / per leaf "
+            mib = r["default_bucket_bytes"] / 2**20
+            print(f"2 processes, {tree_name}, {name}: bucketed (default, {mib:g} MiB) / per leaf "
                   f"{r[f'{name}_bucketed_vs_per_leaf']:.2f}{other}", flush=True)  # fmt: skip
         print(
             f"2 processes, gloo loopback, {tree_name} ({r['params']} params): "
@@ -322,6 +334,52 @@ def procs_part(reps: int) -> dict:
     return result
 
 
+def report(results: dict) -> str:
+    """Markdown: the 2-process part, each transform's bucketed time over its per-leaf time."""
+    two = results["two_processes"]
+    trees = [t for t, r in two.items() if isinstance(r, dict) and "params" in r]
+    first = two[trees[0]]
+    default = first.get("default_bucket_bytes", 25 * 2**20) / 2**20
+    names = [k[: -len("_per_leaf")] for k in first if k.endswith("_per_leaf") and "_vs_" not in k]
+    sizes = sorted({int(k.rsplit("_", 1)[1][:-3]) for k in first
+                    if k.endswith("mib") and "_bucketed_" in k})  # fmt: skip
+    lines = [
+        "Two processes on loopback (gloo, one CPU device each). Each case is one jitted",
+        "``shard_map`` update of the transform on a gradient shaped like the tree; its",
+        f"least time over {3 * results.get('reps', 5)} interleaved rounds (``3 * --reps``),",
+        "over the same transform's time with ``bucket_bytes=None`` (one collective per",
+        'payload array), all in one run. The default is ``bucket_bytes="auto"``:',
+        f"{default:g} MiB on this backend; 25 MiB was the default before.",
+        "",
+        "| tree (params) | transform | default ("
+        + f"{default:g} MiB) | "
+        + " | ".join(f"{m} MiB" for m in sizes)
+        + " | default ≤ per leaf |",
+        "|---|---|---|" + "---|" * len(sizes) + "---|",
+    ]
+    worst = 0.0
+    for t in trees:
+        r = two[t]
+        for name in names:
+            ratio = r[f"{name}_bucketed_vs_per_leaf"]
+            worst = max(worst, ratio)
+            cells = [f"{r[f'{name}_bucketed_{m}mib_vs_per_leaf']:.2f}" for m in sizes]
+            lines.append(
+                f"| {t} ({r['params']:,}) | {name} | {ratio:.2f} | "
+                + " | ".join(cells)
+                + f" | {'yes' if ratio <= 1.0 else '**no**'} |"
+            )
+    lines += [
+        "",
+        f"Worst default bucketed / per leaf: {worst:.2f}"
+        + (" (never slower)." if worst <= 1.0 else " (slower than per leaf)."),
+    ]
+    alpha = two.get("alpha_fit", {}).get("per_allreduce_s")
+    if alpha is not None:
+        lines.append(f"One extra 4-byte all-reduce costs {alpha * 1e3:.3f} ms (gloo, loopback).")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv):
     del argv
     if FLAGS.worker >= 0:
@@ -333,15 +391,19 @@ def main(argv):
             results = json.load(f)
     if FLAGS.part in ("all", "procs"):
         results["two_processes"] = procs_part(FLAGS.reps)
+        results["reps"] = FLAGS.reps
     if FLAGS.part in ("all", "devices"):
         results["fake_devices"] = devices_part(FLAGS.reps)
     os.makedirs(os.path.dirname(FLAGS.out), exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump(results, f, indent=1)
+    if "two_processes" in results:
+        print(report(results))
     print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":
     if "--worker" not in " ".join(sys.argv) and "XLA_FLAGS" not in os.environ:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    define_flags()
     app.run(main)

@@ -54,6 +54,12 @@ def _overlap() -> str:
     return overlap.report(_load("overlap.json"))
 
 
+def _buckets() -> str:
+    from experiments.bench import buckets
+
+    return buckets.report(_load("buckets.json"))
+
+
 def _floor() -> str:
     from experiments.bench import floor
 
@@ -74,6 +80,7 @@ def _step_parts() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "auto": _auto,
+    "buckets": _buckets,
     "floor": _floor,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
@@ -83,6 +90,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
+    "buckets": ("buckets.md", "buckets.json", "Bucketed against per-leaf exchange (2 processes)"),
     "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (8 fake CPU devices)"),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),

@@ -43,14 +43,14 @@ class Dense(core.CompressorBase):
 def allreduce(
     *,
     axis_name: AxisName | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Dense mean over workers: the uncompressed baseline (one all-reduce per leaf).
 
     Args:
       axis_name: mesh axis to average over; ``None`` returns the updates as
         they are.
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; wire bytes = 4 per fp32 entry.
@@ -150,7 +150,7 @@ def cast(
     accumulate: str = "auto",
     error_feedback: bool = False,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -178,7 +178,7 @@ def cast(
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
         ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
         With ``accumulate="psum"`` ``"auto"`` is that one all-reduce, as

@@ -345,7 +345,7 @@ def dgc(
     warmup_ratios: Sequence[float] | None = None,
     sample_ratio: float = 0.01,
     min_size: int = 1024,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression: momentum-corrected, masked, clipped, warmed-up top-k.
@@ -408,7 +408,8 @@ def dgc(
       bucket_bytes: tensor fusion: every sparse leaf's values and indices go
         in all-gather buckets of at most this many bytes (raw bytes, one
         all-gather each), the dense leaves in all-reduce buckets of one dtype,
-        filled from the last leaf to the first. Default 25 MiB (DDP's);
+        filled from the last leaf to the first. Default ``"auto"`` (25 MiB on
+        GPU/TPU, 1 MiB on CPU);
         ``None`` or 0: one collective per array. Bit-identical results.
       state_dtype: dtype of u and v (see :func:`jaxcomm.compress`); the
         payload is sent in the grads' dtype.

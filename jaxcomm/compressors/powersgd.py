@@ -205,7 +205,7 @@ def powersgd(
     orthogonalization_epsilon: float = 0.0,
     batch_same_shape: bool = False,
     matrix_view: str = "last",
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
@@ -274,7 +274,8 @@ def powersgd(
         which leaves are compressed and why the others go dense.
       bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
         of at most this many bytes, one all-reduce each, filled from the last
-        leaf to the first; then all Q's likewise. Default 25 MiB (DDP's);
+        leaf to the first; then all Q's likewise. Default ``"auto"`` (25 MiB
+        on GPU/TPU, 1 MiB on CPU);
         ``None`` or 0: one all-reduce per matrix. Bit-identical results.
       state_dtype: dtype of the residual (see :func:`jaxcomm.compress`); Q is
         always float32.

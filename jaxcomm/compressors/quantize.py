@@ -145,7 +145,7 @@ def int8(
     axis_name: AxisName | None = None,
     error_feedback: bool = False,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -171,7 +171,7 @@ def int8(
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
@@ -264,7 +264,7 @@ def qsgd(
     axis_name: AxisName | None = None,
     error_feedback: bool = False,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -290,7 +290,7 @@ def qsgd(
         method, unbiased, has none).
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
@@ -437,7 +437,7 @@ def terngrad(
     share_scale: bool = True,
     error_feedback: bool = False,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -470,7 +470,7 @@ def terngrad(
       error_feedback: keep ``p − g̃`` (clipping loss included) in a residual.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
         With ``share_scale`` the codes are summed: ``"auto"`` is that one
         all-reduce (only ``"gather"``/``"auto"`` are accepted).

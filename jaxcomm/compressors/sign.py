@@ -97,7 +97,7 @@ def onebit(
     bucket_size: int | None = None,
     error_feedback: bool = True,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -122,7 +122,7 @@ def onebit(
         turn off only to study its effect).
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
@@ -187,7 +187,7 @@ def ef_sign(
     axis_name: AxisName | None = None,
     error_feedback: bool = True,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -207,7 +207,7 @@ def ef_sign(
         scaled signSGD, which Karimireddy et al. show can fail to converge.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
@@ -287,7 +287,7 @@ def sign_majority(
     *,
     axis_name: AxisName | None = None,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """signSGD with majority vote: every worker gets ``sign(Σ_w sign(g_w))``.
@@ -314,7 +314,7 @@ def sign_majority(
       axis_name: mesh axis to vote over; ``None`` returns ``sign(g)``.
       min_size: leaves with fewer entries are averaged densely (not signed).
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -436,7 +436,7 @@ def twobit(
     *,
     axis_name: AxisName | None = None,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
     exchange: str = "auto",
 ) -> optax.GradientTransformation:
@@ -468,7 +468,7 @@ def twobit(
       axis_name: mesh axis to average over; ``None`` quantises locally.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:

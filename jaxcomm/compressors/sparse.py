@@ -99,7 +99,7 @@ def topk(
     error_feedback: bool = True,
     scope: str = "leaf",
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback.
@@ -118,7 +118,7 @@ def topk(
         flattened tree of compressible leaves).
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -239,7 +239,7 @@ def randomk(
     shared_indices: bool = True,
     sampling: str = "uniform",
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Random-k sparsification.
@@ -263,7 +263,7 @@ def randomk(
         costs k random numbers). See :class:`RandomK`.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -660,7 +660,7 @@ def threshold(
     sample_ratio: float | None = 0.01,
     error_feedback: bool = True,
     min_size: int = 1024,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Fast sparsification: a sampled threshold and top-k among strided candidates.
@@ -711,7 +711,7 @@ def threshold(
         without it, true top-k entries crowded out of their class are lost.
       min_size: leaves with fewer entries are averaged densely.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default 25 MiB (see :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation``.

@@ -29,7 +29,7 @@ def muloco(
     momentum: float = 0.95,
     weight_decay: float = 0.0,
     muon_options: Mapping[str, Any] | None = None,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """MuLoCo: ``every`` Muon steps per worker, then DiLoCo's Nesterov outer step.
 

@@ -129,7 +129,7 @@ def streaming_diloco(
     mix: float = 0.0,
     outer: optax.GradientTransformation = _OUTER,
     compressor: Any = None,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
     overlap: bool = False,
 ) -> optax.GradientTransformation:
     """Streaming DiLoCo: ``fragments`` staggered DiLoCo syncs, each merged ``delay`` steps late.

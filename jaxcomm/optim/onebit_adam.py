@@ -50,7 +50,7 @@ def onebit_adam(
     weight_decay: float = 0.0,
     exchange: str = "auto",
     min_size: int = 1024,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """1-bit Adam (Tang et al. 2021): Adam, then 1-bit compressed momentum with a frozen variance.
 

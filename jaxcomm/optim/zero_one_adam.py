@@ -73,7 +73,7 @@ def zero_one_adam(
     weight_decay: float = 0.0,
     exchange: str = "auto",
     min_size: int = 1024,
-    bucket_bytes: int | None = buckets.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """0/1 Adam (Lu et al. 2022): a thinning variance schedule, 1-bit exchanges, local steps.
 
