@@ -832,9 +832,13 @@ python -m experiments.launch --processes=2 --rate=10mbit -- \
 
 prints the calibrated link (`jaxcomm.calibrate`: alpha and bandwidth per
 collective kind), the step with no exchange, each candidate's measured cost,
-predicted step time and alpha-beta prediction, and the recommendation with
-its reason. Its prediction is of training's *median* step: the no-exchange
-step and each cost are the median of their samples
+alpha-beta time, predicted step time and the recommendation with its reason.
+The predicted step is the no-exchange step plus the larger of the measured
+cost and the alpha-beta time (`experiments.advise.predicted_step`): a short
+timed program can beat the link's sustained rate (a `tbf` link passes its
+burst at line rate), a training step cannot. Its prediction is of
+training's *median* step: the no-exchange step and each cost are the median
+of their samples
 (`policy.measure(..., statistic="median")`), where `auto` compares the least
 (a choice wants the noise out). Two processes sharing a small machine stall
 each other now and then (on the digits MLP a call of 25 steps took 11 to 100

@@ -16,14 +16,21 @@ def advice():
     return advise.advise(config, repeats=1)
 
 
-def test_each_predicted_step_is_the_no_exchange_step_plus_the_measured_cost(advice):
+def test_predicted_step_takes_the_larger_of_measured_cost_and_alpha_beta():
+    assert advise.predicted_step(0.5, 0.25, 0.125) == 0.75
+    assert advise.predicted_step(0.5, 0.25, 2.0) == 2.5  # the link bounds a short timed program
+    assert advise.predicted_step(0.5, 0.25, float("nan")) == 0.75  # no calibration
+
+
+def test_each_predicted_step_is_the_no_exchange_step_plus_the_larger_cost(advice):
     assert advice["compute_s"] > 0 and advice["n"] == 8
     names = [r["name"] for r in advice["rows"]]
     assert names == [c.name for c in policy.DEFAULT_CANDIDATES]
     for r in advice["rows"]:
         assert r["seconds"] >= 0
-        assert r["predicted_step_s"] == advice["compute_s"] + r["seconds"]
+        assert r["measured_step_s"] == advice["compute_s"] + r["seconds"]
         assert r["model_step_s"] == advice["compute_s"] + r["predicted_s"]
+        assert r["predicted_step_s"] == max(r["measured_step_s"], r["model_step_s"])
         assert r["predicted_s"] > 0  # every candidate here communicates
 
 
