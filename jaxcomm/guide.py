@@ -572,6 +572,17 @@ all-reduce per bucket, all Q's in one; TernGrad agrees its shared scales in
 one bucketed `pmax`. `netsim.exchange_time` charges α per collective (and
 per operand of a combined HLO instruction).
 
+**Small sums across CPU processes.** Over gloo a small all-reduce cost about
+3x an all-gather of the same operand (2 processes, 1.6 kB: 1.53 vs 0.48 ms
+added to a step). So across CPU processes a sum whose operand times the
+workers is at most `buckets.GATHER_SUM_BYTES` (256 KiB) is an all-gather and
+a local add, worker by worker (`buckets.sum_over`; on 2 workers the gather
+receives what a ring all-reduce does, on n workers n/2 times as much, hence
+the bound). The wire report and the HLO then show an all-gather. Within one
+process (fake devices) the all-reduce stays. On the digits MLP with 2
+processes this took PowerSGD's step at 100 Mbit/s from +3.89 ms to +0.94 ms
+over the step with no exchange (`experiments/results/step_parts.md`).
+
 **How a bucket is built.** Each bucket is written into one buffer with an
 in-place `dynamic_update_slice` per payload, moving the payload's bits as
 unsigned words of its width (`buckets.pack`), not with `jnp.concatenate`,

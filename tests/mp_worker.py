@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm import distributed
+from jaxcomm import accounting, distributed
 
 AXIS = "data"
 STEPS = 4
@@ -53,7 +53,7 @@ def data(n: int) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.integers(0, 10, size=(n, STEPS, 16)).astype(np.int32)
 
 
-def run(name: str, tx: optax.GradientTransformation, mesh) -> np.ndarray:
+def run(name: str, tx: optax.GradientTransformation, mesh) -> tuple[np.ndarray, str]:
     n = mesh.size
     params = init_params()
     state = jax.tree.map(
@@ -77,17 +77,21 @@ def run(name: str, tx: optax.GradientTransformation, mesh) -> np.ndarray:
 
     spec = P(AXIS)
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec)))
+    kinds = [c.kind for c in accounting.hlo_collectives(f.lower(params, state, x, y).compile())]
     params, _ = f(params, state, x, y)
     flat = distributed.gather(params)
-    return np.concatenate([np.asarray(v).reshape(n, -1) for v in jax.tree.leaves(flat)], axis=1)
+    out = np.concatenate([np.asarray(v).reshape(n, -1) for v in jax.tree.leaves(flat)], axis=1)
+    return out, ",".join(sorted(set(kinds)))
 
 
 def main(out: str) -> None:
     info = distributed.initialize()
     mesh = distributed.global_mesh(AXIS)
-    results = {name: run(name, tx, mesh) for name, tx in transforms().items()}
+    runs = {name: run(name, tx, mesh) for name, tx in transforms().items()}
+    results = {name: r[0] for name, r in runs.items()}
+    kinds = {f"{name}_kinds": np.asarray(r[1]) for name, r in runs.items()}
     if info.process_id == 0:
-        np.savez(out, processes=info.num_processes, **results)
+        np.savez(out, processes=info.num_processes, **results, **kinds)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,48 @@ def test_a_payload_larger_than_a_bucket_is_not_copied_into_one():
     assert max(n * 4 for _, _, n in writes) <= bucket, writes
 
 
+# --- small sums: all-gather and add, bit for bit psum's -------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m", [1, 7, 3000])
+def test_small_sum_is_a_gather_and_equals_psum_bit_for_bit(dtype, m):
+    spread = jnp.exp(3 * jax.random.normal(jax.random.key(1), (H.N, m)))
+    x = (jax.random.normal(jax.random.key(m), (H.N, m)) * spread).astype(dtype)
+
+    def f(v):
+        return jax.lax.psum(v[0], "data")[None], buckets.sum_over(v[0], "data", gather=True)[None]
+
+    fn = jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=H.P(H.AXIS), out_specs=H.P(H.AXIS)))
+    x = jax.device_put(x, H.NamedSharding(H.mesh(), H.P(H.AXIS)))
+    ref, got = fn(x)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
+    kinds = [c.kind for c in accounting.hlo_collectives(fn.lower(x).compile().as_text())]
+    assert kinds.count("all_gather") == 1 and kinds.count("all_reduce") == 1  # ref's psum
+
+
+def test_sums_gather_only_small_operands_across_cpu_processes(monkeypatch):
+    assert not buckets.gathers_sum(4, H.N)  # one process: fake devices keep the all-reduce
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    bound = buckets.GATHER_SUM_BYTES
+    assert buckets.gathers_sum(bound // 2, 2) and not buckets.gathers_sum(bound // 2 + 1, 2)
+    assert buckets.gathers_sum(bound // 8, 8) and not buckets.gathers_sum(bound // 8 + 1, 8)
+
+
+def test_a_sum_that_does_not_gather_is_an_all_reduce():
+    m = 3
+
+    def f(v):
+        return buckets.sum_over(v[0], "data")[None]
+
+    x = jax.device_put(jnp.ones((H.N, m)), H.NamedSharding(H.mesh(), H.P(H.AXIS)))
+    fn = jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=H.P(H.AXIS), out_specs=H.P(H.AXIS)))
+    kinds = [c.kind for c in accounting.hlo_collectives(fn.lower(x).compile().as_text())]
+    assert kinds == ["all_reduce"]
+    np.testing.assert_array_equal(np.asarray(fn(x)), np.full((H.N, m), H.N, np.float32))
+
+
 # --- the planner and the option ------------------------------------------------------
 
 

@@ -41,9 +41,10 @@ def test_same_params_one_process_or_two(tmp_path):
     """2 processes x 2 devices == 1 process x 4 devices, same global data and transforms.
 
     top-k all-gathers payloads and every worker decodes them in worker order:
-    bit-identical. Dense all-reduce and PowerSGD's psums are summed by gloo's
-    ring across the 4 ranks vs XLA's in-process reduction: another summation
-    order, equal to float rounding.
+    bit-identical. Dense all-reduce and PowerSGD's sums are small: across
+    processes they are all-gathered and added on each worker
+    (``jaxcomm.buckets.sum_over``), in one process XLA's all-reduce adds them:
+    equal to float rounding.
     """
     one = subprocess.run(
         [sys.executable, "-m", "tests.mp_worker", str(tmp_path / "one.npz")],
@@ -68,6 +69,11 @@ def test_same_params_one_process_or_two(tmp_path):
         else:
             np.testing.assert_allclose(y, x, rtol=0, atol=1e-6, err_msg=name)
     assert not np.allclose(a["topk"], a["allreduce"], atol=1e-3)  # the methods differ
+    # small sums: all-reduces in one process, all-gathers + local adds across processes
+    # (jaxcomm.buckets.sum_over); the results above agree either way
+    for name in ("allreduce", "powersgd"):
+        assert str(a[f"{name}_kinds"]) == "all_reduce", name
+        assert "all_reduce" not in str(b[f"{name}_kinds"]), (name, str(b[f"{name}_kinds"]))
 
 
 def _load_params(workdir, step):

@@ -415,7 +415,6 @@ def powersgd(
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         core.check_float_leaves(with_path, "updates")
         exchange.check_per_worker(updates, axis_name)
-        exchange.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         if warm_start:
             n_comp = sum(
