@@ -27,13 +27,17 @@ bit as a per-leaf collective would deliver it.
   per bucket, in bucket order.
 * ``bucket_bytes=None`` (or 0): one collective per payload array, as before.
 * ``bucket_bytes="auto"`` (the default): :func:`default_bucket_bytes` of
-  the backend, resolved when the exchange is traced: 25 MiB (PyTorch DDP's
-  ``bucket_cap_mb``) on GPU/TPU, 1 MiB on CPU. On CPU packing a payload
-  into a bucket and cutting it out again are memory copies that cost about
-  what a collective of the same bytes costs over loopback, so only small
-  payloads gain from sharing a collective: with 2 processes, ResNet-18's
-  dense all-reduce in 25 MiB buckets took 1.45x its per-leaf time, in 1 MiB
-  buckets 0.85x (``experiments/results/buckets.json``).
+  the backend and the collective, resolved when the exchange is traced:
+  25 MiB (PyTorch DDP's ``bucket_cap_mb``) on GPU/TPU; on CPU 1 MiB for
+  the sums (all-reduce, reduce-scatter) and 25 MiB for the all-gathers and
+  all-to-alls. On CPU packing a dense gradient into a bucket and cutting it
+  out again are memory copies that cost about what a loopback collective
+  of the same bytes costs, so only small payloads gain from sharing a sum:
+  with 2 processes ResNet-18's dense all-reduce in 25 MiB buckets took
+  1.66x its per-leaf time, in 1 MiB buckets 0.76x. The gathered payloads
+  are compressed and few buckets suit them: ResNet-18's EF-sign took 0.61x
+  per leaf in 25 MiB buckets, 0.76x in 1 MiB ones (one run, cases in a
+  random order each round: ``experiments/results/buckets.md``).
 """
 
 from __future__ import annotations
@@ -72,19 +76,28 @@ ACCELERATOR_BUCKET_BYTES = 25 * 2**20
 """Bucket size on GPU/TPU: 25 MiB, PyTorch DDP's ``bucket_cap_mb``."""
 
 CPU_BUCKET_BYTES = 2**20
-"""Bucket size on CPU: 1 MiB (see the module's notes)."""
+"""Bucket size of the sums on CPU: 1 MiB (see the module's notes)."""
+
+_SUMS = ("all_reduce", "reduce_scatter")
 
 DEFAULT_BUCKET_BYTES = "auto"
 """Default ``bucket_bytes`` of every transform: the backend's (:func:`default_bucket_bytes`)."""
 
 
-def default_bucket_bytes(platform: str | None = None) -> int:
+def default_bucket_bytes(platform: str | None = None, kind: str = "all_reduce") -> int:
     """Bytes per bucket for ``bucket_bytes="auto"`` on ``platform`` (default: JAX's backend).
 
-    :data:`CPU_BUCKET_BYTES` on ``"cpu"``, else :data:`ACCELERATOR_BUCKET_BYTES`.
+    :data:`CPU_BUCKET_BYTES` for the sums (``kind`` ``"all_reduce"`` or
+    ``"reduce_scatter"``) on ``"cpu"``, else :data:`ACCELERATOR_BUCKET_BYTES`.
     """
     platform = jax.default_backend() if platform is None else platform
-    return CPU_BUCKET_BYTES if platform == "cpu" else ACCELERATOR_BUCKET_BYTES
+    if platform == "cpu" and kind in _SUMS:
+        return CPU_BUCKET_BYTES
+    return ACCELERATOR_BUCKET_BYTES
+
+
+def _resolve(bucket_bytes: int | str | None, kind: str) -> int | None:
+    return default_bucket_bytes(kind=kind) if bucket_bytes == "auto" else bucket_bytes
 
 
 def check_bucket_bytes(value: Any) -> int | str | None:
@@ -207,8 +220,6 @@ def _alone(bucket: list[int], arrays: Sequence[jax.Array], bucket_bytes) -> bool
     instruction, whose operands XLA:CPU exchanges one by one: the same
     collectives.
     """
-    if bucket_bytes == "auto":
-        bucket_bytes = default_bucket_bytes()
     return len(bucket) == 1 and _nbytes(arrays[bucket[0]]) > bucket_bytes
 
 
@@ -280,6 +291,7 @@ def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) 
     out: list[jax.Array | None] = [None] * len(arrays)
     keys = [jnp.result_type(x) for x in arrays]
     prev = None
+    bucket_bytes = _resolve(bucket_bytes, "all_reduce")
     for bucket in plan([_nbytes(x) for x in arrays], keys, bucket_bytes):
         if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = op(_exact(arrays[bucket[0]]), axis_name)
@@ -343,6 +355,7 @@ def psum_scatter(
     out: list[jax.Array | None] = [None] * len(arrays)
     keys = [jnp.result_type(x) for x in arrays]
     prev = None
+    bucket_bytes = _resolve(bucket_bytes, "reduce_scatter")
     for bucket in plan([_nbytes(x) for x in arrays], keys, bucket_bytes):
         if not bucket_bytes:
             out[bucket[0]] = collectives.psum_scatter(arrays[bucket[0]], axis_name)
@@ -391,6 +404,7 @@ def all_to_all(
     out: list[jax.Array | None] = [None] * len(arrays)
     sizes = [_nbytes(x) // n for x in arrays]  # bytes per row
     prev = None
+    bucket_bytes = _resolve(bucket_bytes, "all_to_all")
     for bucket in plan([s * n for s in sizes], [None] * len(arrays), bucket_bytes):
         if not bucket_bytes:
             out[bucket[0]] = collectives.all_to_all(arrays[bucket[0]], axis_name)
@@ -431,6 +445,7 @@ def all_gather(
     out: list[jax.Array | None] = [None] * len(arrays)
     sizes = [_nbytes(x) for x in arrays]
     prev = None
+    bucket_bytes = _resolve(bucket_bytes, "all_gather")
     for bucket in plan(sizes, [None] * len(arrays), bucket_bytes):
         if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = collectives.all_gather(arrays[bucket[0]], axis_name)

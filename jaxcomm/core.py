@@ -494,9 +494,10 @@ def compress(
         flat buffers of at most this many bytes, filled from the last leaf
         to the first (backprop order), and each buffer is exchanged with one
         collective: psum buckets per dtype, all-gather buckets as raw bytes.
-        Default ``"auto"``: 25 MiB (PyTorch DDP's) on GPU/TPU, 1 MiB on CPU
-        (:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one collective per
-        payload array. Results are bit-identical either way.
+        Default ``"auto"``: 25 MiB (PyTorch DDP's) on GPU/TPU; on CPU 1 MiB
+        for the sums, 25 MiB for the gathers
+        (:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one
+        collective per payload array. Results are bit-identical either way.
       state_dtype: dtype of the residual (:func:`resolve_state_dtype`).
         ``None``: float32 for bf16/fp16 leaves, the leaf's dtype otherwise.
         A bf16 residual rounds ``e + g`` to a bf16 neighbour of ``e`` when

@@ -556,11 +556,13 @@ Horovod's Tensor Fusion, PyTorch DDP's buckets).
 
 Option on every factory: `bucket_bytes: int | str | None = "auto"`
 (keyword-only; `None`/0: one collective per payload array). `"auto"` is
-25 MiB (PyTorch DDP's) on GPU/TPU and 1 MiB on CPU
-(`jaxcomm.buckets.default_bucket_bytes`), resolved when the step is traced:
-on CPU, packing a payload and cutting it out again are copies that cost
-about what a loopback collective of the same bytes costs, so only small
-payloads gain from sharing one. A payload larger than a bucket goes as it
+25 MiB (PyTorch DDP's) on GPU/TPU; on CPU 1 MiB for the sums and 25 MiB for
+the all-gathers and all-to-alls (`jaxcomm.buckets.default_bucket_bytes`),
+resolved when the step is traced: on CPU, packing a dense gradient and
+cutting it out again are copies that cost about what a loopback collective
+of the same bytes costs, so only small payloads gain from sharing a sum,
+while the gathered payloads are compressed and few buckets suit them
+(`experiments/results/buckets.md`). A payload larger than a bucket goes as it
 is (no copy). Buckets fill
 from the last leaf to the first (backprop order). psum buckets hold one
 dtype; all-gather buckets bit-cast mixed payloads (values + int32 indices,

@@ -234,6 +234,10 @@ def test_plan_fills_from_the_last_item_and_keeps_dtypes_apart():
     assert buckets.plan([mib // 2, mib // 2, 1], ["f"] * 3, "auto") == [[2, 1], [0]]
     assert buckets.default_bucket_bytes("gpu") == 25 * mib
     assert buckets.default_bucket_bytes("tpu") == buckets.ACCELERATOR_BUCKET_BYTES
+    # on CPU the sums' buckets are small, the gathers' large
+    assert buckets.default_bucket_bytes("cpu", "reduce_scatter") == mib
+    assert buckets.default_bucket_bytes("cpu", "all_gather") == 25 * mib
+    assert buckets.default_bucket_bytes("cpu", "all_to_all") == 25 * mib
 
 
 def test_all_gather_bucket_round_trips_mixed_dtypes():

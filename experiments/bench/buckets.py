@@ -13,10 +13,11 @@ Two parts:
   tree, the study's wide MLP (64-1024-1024-10, 1.12M params) and ResNet-18
   with ``jaxcomm.allreduce()`` bucketed / per leaf vs a hand-written step that
   concatenates the gradients and does one ``pmean``; each transform of
-  ``--procs_transforms`` bucketed (the default ``"auto"``, 1 MiB on CPU, and
-  the sizes of ``--procs_bucket_mib``, 25 MiB the default before) / per leaf
+  ``--procs_transforms`` bucketed (the default ``"auto"``: on CPU 1 MiB for
+  sums, 25 MiB for all-gathers; and the sizes of ``--procs_bucket_mib``) / per leaf
   (the update from ``init``'s state), each
-  case's least time over ``3 * --reps`` interleaved rounds; and the gloo
+  case's least time over ``3 * --reps`` interleaved rounds (each in its own
+  random order, the same on both processes); and the gloo
   latency α, fitted as the slope of the best step time over k chained
   4-byte all-reduces (k = 1..16).
 
@@ -56,7 +57,7 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "procs_transforms", "ef_sign,topk,cast,powersgd", "bucketed vs per leaf, 2 processes"
     )
-    flags.DEFINE_string("procs_bucket_mib", "4,25", "other bucket sizes (MiB) timed, 2 processes")
+    flags.DEFINE_string("procs_bucket_mib", "1,25", "other bucket sizes (MiB) timed, 2 processes")
 
 
 def _transforms(key):
@@ -255,16 +256,22 @@ def _worker(pid: int, port: int, reps: int) -> None:
         times = {}
         for fn in cases.values():  # compile and warm up
             jax.block_until_ready(fn(grads))
-        # 3 * reps rounds, every case timed once a round (interleaved); a case's least time
-        # counts (medians of 5 moved ResNet-18's bucketed/per-leaf ratio from 0.85 to 2.01)
+        # 3 * reps rounds, every case timed once a round (interleaved) in an order drawn
+        # for the round (the same on both processes); a case's least time counts. In a
+        # fixed order two cases compiling to the same program differed by 1.6x (ResNet-18
+        # EF-sign), a case's time depending on the one before it.
+        order = np.random.default_rng(0)
+        names = list(cases)
         for _ in range(3 * reps):
-            for name, fn in cases.items():
+            for name in order.permutation(names):
+                fn = cases[name]
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(grads))
                 t = time.perf_counter() - t0
                 times[name] = min(times.get(name, t), t)
         times["params"] = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
-        times["default_bucket_bytes"] = buckets.default_bucket_bytes()
+        times["default_bucket_bytes"] = buckets.default_bucket_bytes(kind="all_reduce")
+        times["default_gather_bucket_bytes"] = buckets.default_bucket_bytes(kind="all_gather")
         result[tree_name] = times
     # α: k chained 4-byte all-reduces (bucket_bytes=1: one bucket, one all-reduce, each)
     alpha = {}
@@ -315,8 +322,7 @@ def procs_part(reps: int) -> dict:
                 key = f"{name}_bucketed_{mib}mib"
                 r[f"{key}_vs_per_leaf"] = r[key] / r[f"{name}_per_leaf"]
                 other += f", {mib} MiB buckets {r[f'{key}_vs_per_leaf']:.2f}"
-            mib = r["default_bucket_bytes"] / 2**20
-            print(f"2 processes, {tree_name}, {name}: bucketed (default, {mib:g} MiB) / per leaf "
+            print(f"2 processes, {tree_name}, {name}: bucketed (default) / per leaf "
                   f"{r[f'{name}_bucketed_vs_per_leaf']:.2f}{other}", flush=True)  # fmt: skip
         print(
             f"2 processes, gloo loopback, {tree_name} ({r['params']} params): "
@@ -340,6 +346,7 @@ def report(results: dict) -> str:
     trees = [t for t, r in two.items() if isinstance(r, dict) and "params" in r]
     first = two[trees[0]]
     default = first.get("default_bucket_bytes", 25 * 2**20) / 2**20
+    gather = first.get("default_gather_bucket_bytes", default * 2**20) / 2**20
     names = [k[: -len("_per_leaf")] for k in first if k.endswith("_per_leaf") and "_vs_" not in k]
     sizes = sorted({int(k.rsplit("_", 1)[1][:-3]) for k in first
                     if k.endswith("mib") and "_bucketed_" in k})  # fmt: skip
@@ -349,10 +356,10 @@ def report(results: dict) -> str:
         f"least time over {3 * results.get('reps', 5)} interleaved rounds (``3 * --reps``),",
         "over the same transform's time with ``bucket_bytes=None`` (one collective per",
         'payload array), all in one run. The default is ``bucket_bytes="auto"``:',
-        f"{default:g} MiB on this backend; 25 MiB was the default before.",
+        f"on this backend {default:g} MiB for the sums and {gather:g} MiB for the "
+        "all-gathers (EF-sign, top-k); 25 MiB for both was the default before.",
         "",
-        "| tree (params) | transform | default ("
-        + f"{default:g} MiB) | "
+        "| tree (params) | transform | default | "
         + " | ".join(f"{m} MiB" for m in sizes)
         + " | default ≤ per leaf |",
         "|---|---|---|" + "---|" * len(sizes) + "---|",

@@ -408,8 +408,8 @@ def dgc(
       bucket_bytes: tensor fusion: every sparse leaf's values and indices go
         in all-gather buckets of at most this many bytes (raw bytes, one
         all-gather each), the dense leaves in all-reduce buckets of one dtype,
-        filled from the last leaf to the first. Default ``"auto"`` (25 MiB on
-        GPU/TPU, 1 MiB on CPU);
+        filled from the last leaf to the first. Default ``"auto"``
+        (:func:`jaxcomm.buckets.default_bucket_bytes`);
         ``None`` or 0: one collective per array. Bit-identical results.
       state_dtype: dtype of u and v (see :func:`jaxcomm.compress`); the
         payload is sent in the grads' dtype.

@@ -274,8 +274,8 @@ def powersgd(
         which leaves are compressed and why the others go dense.
       bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
         of at most this many bytes, one all-reduce each, filled from the last
-        leaf to the first; then all Q's likewise. Default ``"auto"`` (25 MiB
-        on GPU/TPU, 1 MiB on CPU);
+        leaf to the first; then all Q's likewise. Default ``"auto"``
+        (:func:`jaxcomm.buckets.default_bucket_bytes`);
         ``None`` or 0: one all-reduce per matrix. Bit-identical results.
       state_dtype: dtype of the residual (see :func:`jaxcomm.compress`); Q is
         always float32.
