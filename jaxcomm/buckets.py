@@ -24,7 +24,8 @@ bit as a per-leaf collective would deliver it.
   all-reduce combiner cannot merge independent buckets back into one
   multi-operand all-reduce, whose operands XLA:CPU would exchange one by one
   anyway. The compiled program holds exactly one single-operand collective
-  per bucket, in bucket order.
+  per bucket of several payloads, in bucket order (a payload larger than a
+  bucket goes as it is: XLA may combine its all-reduce with a neighbour's).
 * ``bucket_bytes=None`` (or 0): one collective per payload array, as before.
 * ``bucket_bytes="auto"`` (the default): :func:`default_bucket_bytes` of
   the backend and the collective, resolved when the exchange is traced:
@@ -57,11 +58,11 @@ __all__ = [
     "ACCELERATOR_BUCKET_BYTES",
     "CPU_BUCKET_BYTES",
     "DEFAULT_BUCKET_BYTES",
+    "GATHER_SUM_BYTES",
     "all_gather",
     "all_to_all",
     "check_bucket_bytes",
     "default_bucket_bytes",
-    "GATHER_SUM_BYTES",
     "gathers_sum",
     "pack",
     "plan",
@@ -214,11 +215,9 @@ def _alone(bucket: list[int], arrays: Sequence[jax.Array], bucket_bytes) -> bool
 
     Packing it would only copy it (and chaining it after the bucket before,
     :func:`_after`, writes into it: a copy of the whole array when it is a
-    buffer the program may not overwrite); ResNet-18's dense all-reduce in 1
-    MiB buckets took 1.03x its per-leaf time with the copy (2 processes).
-    XLA may combine its collective with a neighbour's into one multi-operand
-    instruction, whose operands XLA:CPU exchanges one by one: the same
-    collectives.
+    buffer the program may not overwrite). XLA may combine its collective
+    with a neighbour's into one multi-operand instruction, whose operands
+    XLA:CPU exchanges one by one: the same collectives.
     """
     return len(bucket) == 1 and _nbytes(arrays[bucket[0]]) > bucket_bytes
 

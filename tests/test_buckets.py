@@ -263,6 +263,25 @@ def test_all_gather_bucket_round_trips_mixed_dtypes():
             np.testing.assert_array_equal(np.asarray(o[1, w]), np.asarray(mine(workers[w])[j]))
 
 
+def test_auto_buckets_sums_small_and_gathers_large_on_cpu():
+    three = [jnp.full((150_000,), i) for i in range(3)]  # 600 kB each: 1.8 MB in all
+    x = jax.device_put(jnp.zeros((H.N, 1)), H.NamedSharding(H.mesh(), H.P(H.AXIS)))
+
+    def kinds(exchange):
+        def f(v):
+            out = exchange([t + v[0, 0] for t in three], "data", "auto")
+            return sum(jnp.sum(o) for o in out)[None]
+
+        fn = jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=H.P(H.AXIS), out_specs=H.P(H.AXIS)))
+        found = accounting.hlo_collectives(fn.lower(x).compile().as_text())
+        return [(c.kind, c.operands) for c in found]
+
+    # sums: 1 MiB buckets, one payload each (XLA may combine them into one instruction);
+    # gathers: one 25 MiB bucket
+    assert sum(k == "all_reduce" and m for k, m in kinds(buckets.psum)) == 3, kinds(buckets.psum)
+    assert kinds(buckets.all_gather) == [("all_gather", 1)]
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "25MB", "Auto"])
 def test_bucket_bytes_is_validated(bad):
     with pytest.raises((TypeError, ValueError), match="bucket_bytes"):
