@@ -5,7 +5,8 @@ float32 entries per device (default 4M), ``--ratio`` (default 0.001). Each
 case is one jitted ``shard_map`` step of the transform (memory add, encode,
 exchange, decode, residual update), its state carried from call to call; the
 baseline is a step that only doubles the gradient (a copy). Rounds time every
-case once each (interleaved, so the machine's load drifts over all alike),
+case once each (interleaved, so the machine's load drifts over all alike; each round in
+its own seeded random order, the same on every process),
 ``--reps`` rounds; a case's figure is its least time over the copy's least
 time, in one run. Cases:
 
@@ -48,6 +49,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -88,13 +90,16 @@ def define_flags() -> None:
 
 
 def interleaved_min(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Least seconds of each call over ``reps`` rounds, each round calling every one once."""
+    """Least seconds of each call over ``reps`` rounds, each calling every one once, in a
+    random order of its own (in a fixed order a case's time can depend on the one before)."""
     for fn in calls.values():  # compile and warm
         jax.block_until_ready(fn())
         jax.block_until_ready(fn())
     best = dict.fromkeys(calls, math.inf)
+    order = np.random.default_rng(0)  # each round in its own order (see bench/buckets.py)
     for _ in range(reps):
-        for name, fn in calls.items():
+        for name in order.permutation(list(calls)):
+            fn = calls[name]
             start = time.perf_counter()
             jax.block_until_ready(fn())
             best[name] = min(best[name], time.perf_counter() - start)

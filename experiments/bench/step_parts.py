@@ -7,7 +7,8 @@ Tables from the JSON (no runs): ``python -m experiments.studies.tables``.
 For the digits MLP (``experiments/configs/digits_mlp.py``, 9.6k parameters)
 on each link of ``--rates`` (2 processes, ``experiments.launch``, each egress
 shaped by ``tc ... tbf``), one session per link times, round by round
-(interleaved, so the machine's load drifts over all alike):
+(interleaved, so the machine's load drifts over all alike; each round in
+its own seeded random order, the same on every process):
 
 * ``step``: the config's training call (``--steps_per_call`` steps:
   gradient, exchange, optimizer, as ``experiments.main`` trains) with each
@@ -66,6 +67,8 @@ def define_flags() -> None:
 
 def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
     """One link's measurements; every process of the launch runs it."""
+    import numpy as np
+
     from experiments import advise, train
     from experiments import data as data_lib
     from experiments.configs import digits_mlp
@@ -84,13 +87,17 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
     txs.update({m: train.make_optimizer(c) for m, c in configs.items()})
     runs = {k: advise.train_call(base, model, params, stats, mesh, ds, tx) for k, tx in txs.items()}
     times: dict[str, list[float]] = {k: [] for k in runs}
+    # each round in its own order, the same on both processes (seeded): in a fixed
+    # order a case's time depended on the case before it (experiments/bench/buckets.py)
+    order = np.random.default_rng(0)
     for _ in range(rounds):
+        names = [str(k) for k in order.permutation(list(runs))]
         got = []
-        for run in runs.values():
+        for k in names:
             start = time.perf_counter()
-            run()
+            runs[k]()
             got.append(time.perf_counter() - start)
-        for k, t in zip(runs, calibrate.slowest_process(got)):
+        for k, t in zip(names, calibrate.slowest_process(got)):
             times[k].append(t / steps_per_call)
 
     # measure builds each candidate on train.AXIS; the "@local" ones ignore it (no exchange)
