@@ -582,8 +582,9 @@ a local add, worker by worker (`buckets.sum_over`; on 2 workers the gather
 receives what a ring all-reduce does, on n workers n/2 times as much, hence
 the bound). The wire report and the HLO then show an all-gather. Within one
 process (fake devices) the all-reduce stays. On the digits MLP with 2
-processes this took PowerSGD's step at 100 Mbit/s from +3.89 ms to +0.94 ms
-over the step with no exchange (`experiments/results/step_parts.md`).
+processes this took PowerSGD's step at 100 Mbit/s from +3.89 ms to +0.94
+and +1.28 ms (two runs) over the step with no exchange
+(`experiments/results/step_parts.md`).
 
 **How a bucket is built.** Each bucket is written into one buffer with an
 in-place `dynamic_update_slice` per payload, moving the payload's bits as
