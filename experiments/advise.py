@@ -22,7 +22,7 @@ For the config's model and the current mesh it
    its bytes faster than the calibrated link, but a short timed program can
    (a ``tc ... tbf`` link passes its burst at line rate; on the wide MLP at
    10 Mbit/s PowerSGD's measured cost predicted 0.53 of the training step,
-   the alpha-beta time 1.01: ``experiments/results/auto.md``).
+   the alpha-beta time 1.13: ``experiments/results/auto.md``).
 
 ``--out`` writes all of it as JSON (``experiments/bench/auto.py`` compares the
 predictions with measured training steps).

@@ -104,7 +104,7 @@ def _resolve(bucket_bytes: int | str | None, kind: str) -> int | None:
 def check_bucket_bytes(value: Any) -> int | str | None:
     """Validate a ``bucket_bytes`` option: an int >= 0, ``"auto"``, or None (0, None: no buckets).
 
-    ``"auto"`` stays ``"auto"`` (resolved by :func:`plan` when the exchange is
+    ``"auto"`` stays ``"auto"`` (resolved per collective when the exchange is
     traced, so that building a transform does not start JAX's backend).
     """
     if value is None:
@@ -263,8 +263,8 @@ def sum_over(x: jax.Array, axis_name: AxisName, *, gather: bool | None = None) -
     Where :func:`gathers_sum` (or ``gather=True``), every worker all-gathers
     the ``n`` operands and adds them worker by worker itself (the same on
     every worker). Over gloo a small all-reduce cost about 3x an all-gather
-    of the same operand (2 processes, a 1.6 kB operand: 1.53 vs 0.48 ms added
-    to a step; the digits MLP's dense exchange 1.62 -> 0.40 ms); on 2 workers
+    of the same operand (a probe, 2 processes, a 1.6 kB operand: 1.53 vs 0.48
+    ms added to a step; the steps: ``experiments/results/step_parts.md``); on 2 workers
     the gather receives the bytes a ring all-reduce does, on n it receives
     n/2 times as many, hence the bound. The adds follow XLA:CPU's all-reduce
     (bf16 in float32), so on fake CPU devices the result is bit for bit

@@ -77,8 +77,9 @@ def run(name: str, tx: optax.GradientTransformation, mesh) -> tuple[np.ndarray, 
 
     spec = P(AXIS)
     f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, spec)))
-    kinds = [c.kind for c in accounting.hlo_collectives(f.lower(params, state, x, y).compile())]
-    params, _ = f(params, state, x, y)
+    compiled = f.lower(params, state, x, y).compile()  # run once, and its HLO read
+    kinds = [c.kind for c in accounting.hlo_collectives(compiled)]
+    params, _ = compiled(params, state, x, y)
     flat = distributed.gather(params)
     out = np.concatenate([np.asarray(v).reshape(n, -1) for v in jax.tree.leaves(flat)], axis=1)
     return out, ",".join(sorted(set(kinds)))
