@@ -14,11 +14,12 @@ _FAST_COMPILE = (
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
 ).strip()
+# JAX_PLATFORMS=cuda,cpu (or tpu,cpu) runs tests/test_accelerator.py on an accelerator
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-assert jax.device_count() == 8, "tests need 8 fake CPU devices; jax was imported too early"
+assert len(jax.devices("cpu")) == 8, "tests need 8 fake CPU devices; jax was imported too early"
 
 
 import optax  # noqa: E402

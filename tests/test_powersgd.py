@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -400,3 +401,27 @@ def test_bf16_params_keep_a_float32_residual_so_small_gradients_are_not_lost():
 
     assert error(None) < 0.002  # measured 1.2e-4: the bf16 rounding of the outputs
     assert error(jnp.bfloat16) > 0.01  # measured 3.9e-2
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_every_matmul_asks_for_full_float32(batch):
+    # JAX's default precision is TF32 on recent NVIDIA GPUs: there PowerSGD's update differed
+    # from the CPU's by 4e-4 (tests/test_accelerator.py). On CPU the precision changes no
+    # number, so the request itself is what this checks.
+    tx = jaxcomm.powersgd(2, key=jax.random.key(0), batch_same_shape=batch)
+    params = {"a": jnp.ones((16, 12)), "b": jnp.ones((16, 12)), "c": jnp.ones((3, 3, 4, 8))}
+    jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params))
+
+    def dots(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from dots(sub)
+
+    found = list(dots(jaxpr.jaxpr))
+    assert len(found) >= 4
+    highest = jax.lax.Precision.HIGHEST
+    assert all(e.params["precision"] == (highest, highest) for e in found), [
+        e.params["precision"] for e in found
+    ]

@@ -192,6 +192,11 @@ def _median_ratio(fn: Callable[[], object], base: Callable[[], object], reps: in
     return statistics.median(ratios)
 
 
+def _over(traffic: float, ring: float) -> float:
+    """traffic / ring; NaN on one device (nothing crosses a link: the time is the codec's)."""
+    return traffic / ring if ring else float("nan")
+
+
 def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), (AXIS,))
@@ -223,13 +228,13 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
                 "ratio": ratio,
                 "time_over_copy": r,
                 "payload_over_dense": payload / dense_payload,
-                "traffic_over_dense_ring": traffic / dense_traffic,
+                "traffic_over_dense_ring": _over(traffic, dense_traffic),
                 "wire_bytes": payload,
             }
         )
         print(
             f"{d:>10}  {name:<20} {r:>8.2f}x  {payload / dense_payload:>10.5f}"
-            f"  {traffic / dense_traffic:>10.5f}",
+            f"  {_over(traffic, dense_traffic):>10.5f}",
             flush=True,
         )
     return rows
@@ -345,13 +350,13 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
                 "time_over_copy": r,
                 "payload_over_dense_fp32": payload / dense32,
                 "payload_over_dense_bf16": payload / dense16,
-                "traffic_over_dense_ring": traffic / ring,
+                "traffic_over_dense_ring": _over(traffic, ring),
                 "wire_bytes": payload,
             }
         )
         print(
             f"{name:<22} {r:>7.2f}x  {payload / dense32:>9.5f}  {payload / dense16:>9.5f}"
-            f"  {traffic / ring:>18.5f}",
+            f"  {_over(traffic, ring):>18.5f}",
             flush=True,
         )
     return rows

@@ -116,6 +116,18 @@ def leaf_plan(
     return out
 
 
+def _mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` in full float32 on every backend.
+
+    JAX's default precision runs float32 matmuls in TF32 on recent NVIDIA GPUs
+    (and bf16 passes on TPU): measured on one GPU, PowerSGD's update then
+    differed from the CPU's by 4e-4 (relative), against 1e-7 for every other
+    transform. These products are rank-r (memory-bound), so full precision
+    costs little; torch's PowerSGD hook also multiplies in float32.
+    """
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def orthogonalize(p: jax.Array, epsilon: float = 0.0) -> jax.Array:
     """Orthonormal columns spanning those of ``p`` (``(..., a, r)``, r <= a).
 
@@ -364,7 +376,7 @@ def powersgd(
         q_b = [jnp.stack([q_of[i] for i in grp]) for grp in groups]  # (k, b, r)
 
         # All-reduce 1: P = Σ_w M_w Q, bucketed; the dense leaves' sums ride along.
-        p_b = [m @ q for m, q in zip(m_b, q_b)]
+        p_b = [_mm(m, q) for m, q in zip(m_b, q_b)]
         order = sorted(
             [(i, ("dense", i)) for i in dense] + [(g[0], ("p", j)) for j, g in enumerate(groups)]
         )
@@ -379,15 +391,15 @@ def powersgd(
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in p_b]))
         p_hat = [orthogonalize(p, eps) for p in p_b]
         # All-reduce 2: Q̄ = mean_w M_wᵀ P̂.
-        q_w = [jnp.swapaxes(m, 1, 2) @ ph for m, ph in zip(m_b, p_hat)]
+        q_w = [_mm(jnp.swapaxes(m, 1, 2), ph) for m, ph in zip(m_b, p_hat)]
         q_mean = [q / n for q in _sum_over_workers(q_w)]
 
         new_q = dict(q_of)
         new_res = list(residuals) if error_feedback else None
         poison = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
         for grp, ph, qm, qw, m in zip(groups, p_hat, q_mean, q_w, m_b):
-            approx = ph @ jnp.swapaxes(qm, 1, 2) + poison  # (k, a, b)
-            err = m - ph @ jnp.swapaxes(qw, 1, 2) if error_feedback else None
+            approx = _mm(ph, jnp.swapaxes(qm, 1, 2)) + poison  # (k, a, b)
+            err = m - _mm(ph, jnp.swapaxes(qw, 1, 2)) if error_feedback else None
             for j, i in enumerate(grp):
                 g = grads[i]
                 outputs[i] = approx[j].reshape(g.shape).astype(g.dtype)
