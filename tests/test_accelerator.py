@@ -120,7 +120,7 @@ def test_accelerator_agrees_with_cpu(name, dtype):
     acc, text = run(name, dtype, jax.devices()[0])
     cpu, _ = run(name, dtype, jax.devices("cpu")[0])
     tol = max(TOL[jnp.dtype(dtype)], LOOSE.get(name, 0.0))
-    worst, flips = 0.0, 0
+    worst, flips, wrong = 0.0, 0, []
     for step, ((ua, sa), (uc, sc)) in enumerate(zip(acc, cpu)):
         for k in PARAMS:
             assert ua[k].dtype == dtype and ua[k].shape == (H.N,) + PARAMS[k].shape
@@ -129,12 +129,13 @@ def test_accelerator_agrees_with_cpu(name, dtype):
             if jnp.issubdtype(da, jnp.floating):
                 err, off, allowed = compare(a, c, tol)
                 worst, flips = max(worst, err), flips + off
-                assert off <= allowed, (
-                    f"step {step}: {off} of {a.size} entries differ by more than {tol:.0e} "
-                    f"(relative error {err:.2e})"
-                )
+                if off > allowed:
+                    wrong.append(f"step {step}: {off} of {a.size} entries differ by more than "
+                                 f"{tol:.0e} (relative error {err:.2e})")  # fmt: skip
             else:  # counters, keys, packed codes: the same bits
                 assert np.array_equal(a, c), f"step {step}: integer state differs"
+    # printed before the verdict, so experiments.bench.accelerator reads failures' figures too
     print(f"\n{name} {jnp.dtype(dtype).name}: largest relative error {worst:.2e}, {flips} flips")
+    assert not wrong, "; ".join(wrong)
     found = [w for w in HOST_TRANSFER if w in text.lower()]
     assert not found, f"the compiled step moves data to the host: {found}"

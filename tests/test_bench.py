@@ -82,3 +82,25 @@ def test_floor_bench_times_every_case_against_the_copy_and_reports_its_targets()
     assert "| threshold + EF <= 3x the copy | 2.50x | yes |" in F.report(res)
     thr["time_over_copy"] = 3.5
     assert "| threshold + EF <= 3x the copy | 3.50x | **no** |" in F.report(res)
+
+
+def test_accelerator_bench_reads_the_agreement_test_output():
+    from experiments.bench import accelerator
+
+    text = (
+        "\ntopk float32: largest relative error 1.41e-08, 0 flips\n.\n"
+        "onebit:bucket bfloat16: largest relative error 1.48e-01, 128 flips\nF\n"
+        "PASSED tests/test_accelerator.py::test_accelerator_agrees_with_cpu[topk-f32]\n"
+        "XFAIL tests/test_accelerator.py::test_accelerator_agrees_with_cpu[onebit:bucket-bf16]"
+        " - a reason\n"
+    )
+    rows = accelerator.parse_agree(text)
+    assert rows == [
+        {"transform": "onebit:bucket", "dtype": "bf16", "rel_error": 0.148, "flips": 128,
+         "outcome": "xfail"},
+        {"transform": "topk", "dtype": "f32", "rel_error": 1.41e-08, "flips": 0,
+         "outcome": "passed"},
+    ]  # fmt: skip
+    md = accelerator.report({"platform": "gpu", "device": "X", "jax": "0", "agree": rows})
+    assert "| `onebit:bucket` | - | 1.5e-01, 128 flips (xfail) |" in md
+    assert "2 cases, 1 passed" in md

@@ -66,6 +66,12 @@ def _floor() -> str:
     return floor.report(_load("floor.json"))
 
 
+def _accelerator() -> str:
+    from experiments.bench import accelerator
+
+    return accelerator.report(_load("accelerator.json"))
+
+
 def _auto() -> str:
     from experiments.bench import auto
 
@@ -79,6 +85,7 @@ def _step_parts() -> str:
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
+    "accelerator": _accelerator,
     "auto": _auto,
     "buckets": _buckets,
     "floor": _floor,
@@ -89,6 +96,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
 }
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
+    "accelerator": (
+        "accelerator.md",
+        "accelerator.json",
+        "On a GPU: every transform against the CPU, and the codecs' cost",
+    ),
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
     "buckets": ("buckets.md", "buckets.json", "Bucketed against per-leaf exchange (2 processes)"),
     "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (8 fake CPU devices)"),
