@@ -125,7 +125,10 @@ def advise(config, repeats: int = 7) -> dict:
     costs = policy.measure(
         params, mesh, train.AXIS, repeats=repeats, drop=False, statistic="median"
     )
-    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs)
+    # the same samples, round by round: auto's rule (a compressed candidate must beat dense
+    # by the margin in most rounds, not in one lucky one)
+    rounds = policy.measure(params, mesh, train.AXIS, repeats=repeats, drop=False, rounds=True)
+    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs, rounds=rounds)
     rows = [
         dict(r._asdict(), predicted_step_s=predicted_step(compute_s, r.seconds, r.predicted_s),
              measured_step_s=compute_s + r.seconds, model_step_s=compute_s + r.predicted_s)
@@ -149,13 +152,14 @@ def render(result: dict) -> str:
         f"step with no exchange: {result['compute_s'] * 1e3:.2f} ms",
     ]
     lines.append(
-        f"{'exchange':<14}{'+ms':>9}{'alpha-beta ms':>15}{'predicted step ms':>19}"
-        "  (no-exchange step + the larger)"
+        f"{'exchange':<14}{'+ms':>9}{'alpha-beta ms':>15}{'predicted step ms':>19}{'wins':>6}"
+        "  (no-exchange step + the larger; rounds it beat dense by 10%)"
     )
     for r in result["rows"]:
+        wins = r.get("wins", float("nan"))
         lines.append(
             f"{r['name']:<14}{r['seconds'] * 1e3:>9.2f}{r['predicted_s'] * 1e3:>15.2f}"
-            f"{r['predicted_step_s'] * 1e3:>19.2f}"
+            f"{r['predicted_step_s'] * 1e3:>19.2f}{'-' if wins != wins else f'{wins:.0%}':>6}"
         )
     lines.append(f"recommendation: {result['choice']} ({result['reason']})")
     return "\n".join(lines)

@@ -166,13 +166,14 @@ def make_optimizer(
     params: Any = None,
     mesh: Any = None,
     costs: dict[str, float] | None = None,
+    rounds: dict[str, list[float]] | None = None,
 ) -> optax.GradientTransformation:
     """Compose ``config.compressor`` with ``config.optimizer`` per policy and wrapper.
 
     ``compressor.name="auto"`` (:func:`jaxcomm.auto`, its keyword arguments from
     ``compressor.kwargs``: margin, max_ratio, warmup_steps, repeats) measures its
     candidates on ``mesh`` with one worker's ``params`` (or decides from ``costs``
-    measured before: a resumed run replays its first choice); without them
+    and their ``rounds`` measured before: a resumed run replays its first choice); without them
     (validation, before any data is read) the dense all-reduce stands in.
     """
     comp_name = _choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
@@ -217,7 +218,9 @@ def make_optimizer(
         elif comp_name == "auto":
             lead = jax.process_index() == 0
             log = print if lead else None
-            comm = jaxcomm.auto(params, mesh, AXIS, **comp_kwargs, costs=costs, log=log)
+            comm = jaxcomm.auto(
+                params, mesh, AXIS, **comp_kwargs, costs=costs, rounds=rounds, log=log
+            )
         elif comp_name == "dgc_sgd":
             kwargs = _factory_kwargs(jaxcomm.dgc, comp_kwargs, config.seed)
             chained = jaxcomm.dgc_sgd(lr, **kwargs)
@@ -725,18 +728,23 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
     (and with it the optimizer state's layout) is the one its checkpoints hold.
     """
     path = os.path.join(workdir, "auto_choice.json")
-    costs = None
+    costs = rounds = None
     if os.path.exists(path):
         with open(path) as f:
-            costs = {r["name"]: r["seconds"] for r in json.load(f)["rows"]}
-    tx = make_optimizer(config, params, mesh, costs)
+            recorded = json.load(f)
+        costs = {r["name"]: r["seconds"] for r in recorded["rows"]}
+        rounds = recorded.get("rounds")  # None in a record from before the rounds rule
+    tx = make_optimizer(config, params, mesh, costs, rounds)
     kw = {k: v for k, v in config.compressor.kwargs.items() if k != "warmup_steps"}
-    choice = jaxcomm.policy.choose(params, mesh, AXIS, **kw, costs=costs)  # cached costs
+    # cached costs
+    choice = jaxcomm.policy.choose(params, mesh, AXIS, **kw, costs=costs, rounds=rounds)
     if lead and costs is None:
         os.makedirs(workdir, exist_ok=True)
         rows = [r._asdict() for r in choice.rows]
+        record = {"choice": choice.name, "reason": choice.reason, "rows": rows,
+                  "rounds": choice.rounds}  # fmt: skip
         with open(path + ".tmp", "w") as f:
-            json.dump({"choice": choice.name, "reason": choice.reason, "rows": rows}, f, indent=1)
+            json.dump(record, f, indent=1)
         os.replace(path + ".tmp", path)
     return tx
 

@@ -18,7 +18,10 @@ they save). :func:`choose` settles it on the user's own mesh, in seconds:
    *cost* is its time minus the baseline's: what it adds to a step;
 3. the choice is the candidate of least cost, where a compressed candidate
    must beat dense by ``margin`` (a tie goes to dense: noise must not make
-   compression lose) and may not compress more than ``max_ratio``.
+   compression lose), must have done so in at least ``min_wins`` of the
+   rounds (each round's samples compared: one lucky round does not choose)
+   and may not compress more than ``max_ratio``. Each round times the
+   programs in a fresh order (the same on every process).
 
 With a :class:`jaxcomm.calibrate.Calibration` the table also shows each
 candidate's alpha-beta prediction of its collectives
@@ -34,6 +37,7 @@ static shapes and no host round-trip.
 """
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +55,7 @@ from jaxcomm.compressors import dense, powersgd, quantize, sparse
 __all__ = [
     "DEFAULT_CANDIDATES",
     "DROP_FACTOR",
+    "MIN_WINS",
     "LEAD_IN_S",
     "SAMPLE_S",
     "STATISTICS",
@@ -64,6 +69,8 @@ __all__ = [
     "decide",
     "measure",
     "time_programs",
+    "time_samples",
+    "wins_over_dense",
     "dense_warmup",
 ]
 
@@ -104,6 +111,9 @@ class Row(NamedTuple):
       predicted_s: the alpha-beta prediction of its collectives from a
         calibration (``nan`` without one).
       excluded: why it may not be chosen (``""``: eligible).
+      wins: the share of the timed rounds in which its cost was at most
+        ``(1 - margin)`` x dense's in the same round (``nan``: not known, the
+        costs were given without rounds).
     """
 
     name: str
@@ -112,15 +122,22 @@ class Row(NamedTuple):
     ratio: float
     predicted_s: float
     excluded: str
+    wins: float = math.nan
 
 
 class Choice(NamedTuple):
-    """What :func:`choose` decided, with every candidate's row and the reason."""
+    """What :func:`choose` decided, with every candidate's row and the reason.
+
+    ``rounds``: the per-round costs the decision read (:func:`measure` with
+    ``rounds=True``; ``None`` where none were given): with the rows' seconds,
+    what a resumed run passes back to :func:`choose` to make the same choice.
+    """
 
     name: str
     rows: tuple[Row, ...]
     n: int
     reason: str
+    rounds: dict[str, list[float]] | None = None
 
     def row(self, name: str) -> Row:
         """The row of candidate ``name``."""
@@ -134,14 +151,15 @@ class Choice(NamedTuple):
         lines = [
             f"exchange policy over {self.n} workers: {self.name} ({self.reason})",
             f"{'candidate':<14}{'measured ms':>12}{'predicted ms':>14}{'MB/step':>10}"
-            f"{'ratio':>8}  note",
+            f"{'ratio':>8}{'wins':>6}  note",
         ]
         for r in self.rows:
             mark = "<- chosen" if r.name == self.name else r.excluded
             pred = "-" if math.isnan(r.predicted_s) else f"{r.predicted_s * 1e3:.2f}"
+            wins = "-" if math.isnan(r.wins) else f"{r.wins:.0%}"
             lines.append(
                 f"{r.name:<14}{r.seconds * 1e3:>12.2f}{pred:>14}{r.wire_bytes / 1e6:>10.3f}"
-                f"{r.ratio:>8.1f}  {mark}"
+                f"{r.ratio:>8.1f}{wins:>6}  {mark}"
             )
         return "\n".join(lines)
 
@@ -280,38 +298,46 @@ def _check_statistic(statistic: str) -> None:
         raise ValueError(f"statistic: {statistic!r} is not one of {STATISTICS}")
 
 
-def time_programs(
+def time_samples(
     programs,
     repeats: int,
     *,
     drop: bool = True,
     settle: Callable[[], Any] | None = None,
-    statistic: str = "min",
-) -> list[float]:
-    """Seconds per call of each ``(compiled, arg)`` program (index 0 the baseline).
+    seed: int = 0,
+) -> list[list[float]]:
+    """Seconds per call of each ``(compiled, arg)`` program in each round (index 0 the baseline).
 
     ``compiled(arg)`` must return something with ``block_until_ready()``. A
     sample dispatches the program back to back for at least :data:`SAMPLE_S`
     and waits for the last call (after an untimed lead-in call where one call
-    is shorter than :data:`LEAD_IN_S`: it spends the link's burst); the result
-    is the least time per call over ``repeats`` rounds (``statistic="median"``:
-    the median sample), each round taking one sample of every program still in
-    play (load spreads over all), at the slowest process. With ``drop``, after
-    each round (the processes agree on the times first) candidates slower than
-    :data:`DROP_FACTOR` x the fastest leave play: every process drops the same
-    ones, so all run the same collectives. ``settle()`` (untimed) runs after
-    each sample: a collective that returns only when the sample's traffic has
-    drained from the link (a process can finish a collective while its last
-    bytes to a peer still sit in a queue, and would charge them to the next
-    program).
+    is shorter than :data:`LEAD_IN_S`: it spends the link's burst), at the
+    slowest process. A round takes one sample of every program still in
+    play, in an order drawn anew each round from ``seed`` (the same on every
+    process; a fixed order let a program's place decide its time: in
+    ``experiments/bench/buckets.py`` one program measured 1.03x and 0.65x
+    another identical one), so load spreads over all. With ``drop``, after
+    each round (the processes agree on the times first) candidates slower
+    than :data:`DROP_FACTOR` x the fastest leave play: every process drops the
+    same ones, so all run the same collectives. ``settle()`` (untimed) runs
+    after each sample: a collective that returns only when the sample's
+    traffic has drained from the link (a process can finish a collective
+    while its last bytes to a peer still sit in a queue, and would charge
+    them to the next program).
+
+    Returns:
+      Per program, its sample of each of the ``repeats`` rounds (``nan`` in
+      the rounds after it left play).
     """
-    _check_statistic(statistic)
+    rng = random.Random(seed)
     calls, lead_in = _calls_per_sample(programs)
     samples: list[list[float]] = [[] for _ in programs]
     playing = list(range(len(programs)))
     for _ in range(repeats):
+        order = list(playing)
+        rng.shuffle(order)
         round_s = []
-        for i in playing:
+        for i in order:
             compiled, key = programs[i]
             if lead_in[i]:
                 compiled(key).block_until_ready()
@@ -323,13 +349,41 @@ def time_programs(
             if settle is not None:
                 jax.block_until_ready(settle())
         # every process keeps the slowest process's time of each sample
-        for i, t in zip(playing, calibrate.slowest_process(round_s)):
-            samples[i].append(t)
-        best = [min(s) for s in samples]
+        timed = dict(zip(order, calibrate.slowest_process(round_s)))
+        for i in range(len(programs)):
+            samples[i].append(timed.get(i, math.nan))
+        best = [_least(s) for s in samples]
         fastest = min(best[1:])
         if drop:
             playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
-    return best if statistic == "min" else [statistics.median(s) for s in samples]
+    return samples
+
+
+def _least(xs: Sequence[float]) -> float:
+    return min(x for x in xs if not math.isnan(x))
+
+
+def _summary(xs: Sequence[float], statistic: str) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return min(xs) if statistic == "min" else statistics.median(xs)
+
+
+def time_programs(
+    programs,
+    repeats: int,
+    *,
+    drop: bool = True,
+    settle: Callable[[], Any] | None = None,
+    statistic: str = "min",
+) -> list[float]:
+    """Seconds per call of each ``(compiled, arg)`` program (index 0 the baseline).
+
+    :func:`time_samples` summed up per program: the least time per call over
+    the rounds it was timed in (``statistic="median"``: the median sample).
+    """
+    _check_statistic(statistic)
+    samples = time_samples(programs, repeats, drop=drop, settle=settle)
+    return [_summary(s, statistic) for s in samples]
 
 
 def _settle(mesh, axis_name) -> Callable[[], Any]:
@@ -367,24 +421,42 @@ def _check_options(margin, max_ratio, repeats) -> None:
     checks.check_int(repeats, "repeats", 1)
 
 
-def decide(rows: Sequence[Row], margin: float) -> tuple[str, str]:
+#: The share of timed rounds in which a compressed candidate must beat dense by the margin
+#: (:func:`wins_over_dense`) to be chosen: its least cost alone can come from one lucky
+#: round. On 2 CPU processes over loopback, where each step's exchange costs well under a
+#: millisecond, the order of the candidates' least costs changed from run to run.
+MIN_WINS = 0.8
+
+
+def decide(rows: Sequence[Row], margin: float, min_wins: float = MIN_WINS) -> tuple[str, str]:
     """The chosen name and why, from measured rows (one named ``"dense"``).
 
     The eligible compressed candidate of least cost, if that cost is at most
-    ``(1 - margin)`` x dense's; otherwise dense.
+    ``(1 - margin)`` x dense's and (where its rounds are known) it was so in
+    at least ``min_wins`` of the rounds; otherwise dense.
     """
     _check_options(margin, None, 1)
+    checks.check_float(min_wins, "min_wins", low=0, strict=False, high=1, high_strict=False)
     ref = next(r for r in rows if r.name == "dense")
     eligible = [r for r in rows if not r.excluded and r.name != "dense"]
-    best = min(eligible, key=lambda r: r.seconds, default=None)
-    if best is None:
+    if not eligible:
         return "dense", "no compressed candidate is eligible"
-    if best.seconds <= (1 - margin) * ref.seconds:
-        gain = ref.seconds / max(best.seconds, 1e-9)
-        return best.name, f"{gain:.1f}x less exchange time than dense"
-    return "dense", (
-        f"the fastest compressed candidate, {best.name}, is not {margin:.0%} faster than dense"
-    )
+    fast = [r for r in eligible if r.seconds <= (1 - margin) * ref.seconds]
+    sure = [r for r in fast if math.isnan(r.wins) or r.wins >= min_wins]
+    if not fast:
+        best = min(eligible, key=lambda r: r.seconds)
+        return "dense", (
+            f"the fastest compressed candidate, {best.name}, is not {margin:.0%} faster than dense"
+        )
+    if not sure:
+        best = min(fast, key=lambda r: r.seconds)
+        return "dense", (
+            f"the fastest compressed candidate, {best.name}, was {margin:.0%} faster than dense "
+            f"in {best.wins:.0%} of the rounds, fewer than {min_wins:.0%}: within the noise"
+        )
+    best = min(sure, key=lambda r: r.seconds)
+    gain = ref.seconds / max(best.seconds, 1e-9)
+    return best.name, f"{gain:.1f}x less exchange time than dense"
 
 
 def measure(
@@ -397,23 +469,28 @@ def measure(
     drop: bool = True,
     refresh: bool = False,
     statistic: str = "min",
-) -> dict[str, float]:
+    rounds: bool = False,
+) -> dict[str, Any]:
     """Seconds each candidate's exchange adds to a step, measured on ``mesh`` (cached).
 
     One compiled ``shard_map`` program per candidate draws a per-worker
     gradient shaped like ``params`` and runs the candidate's ``update`` on
     the state the previous call returned (after :data:`WARM_STEPS` untimed
     steps from ``init``: a step in training's steady state); a baseline
-    program only draws it. ``repeats`` rounds time
-    every program once each; a candidate's cost is its minimum (``statistic="median"``:
-    its median, for predictions of training's median step) minus the
-    baseline's (floored at 0), at the slowest process (:func:`time_programs`;
-    ``drop=False`` keeps timing every candidate to the end, for predictions of
-    all of them rather than a choice). **Every process must call it** with the
-    same arguments.
+    program only draws it. ``repeats`` rounds time every program once each,
+    in a fresh order each round (:func:`time_samples`); a candidate's cost is
+    its minimum (``statistic="median"``: its median, for predictions of
+    training's median step) minus the baseline's (floored at 0), at the
+    slowest process (``drop=False`` keeps timing every candidate to the end,
+    for predictions of all of them rather than a choice). **Every process
+    must call it** with the same arguments. The samples are cached: a call
+    that differs only in ``statistic`` or ``rounds`` reads them again.
 
     Returns:
-      ``{candidate name: seconds}``.
+      ``{candidate name: seconds}``; with ``rounds=True``, ``{candidate name:
+      [its cost in each round]}`` (its sample minus the baseline's sample of
+      the same round, floored at 0; ``nan`` where it was no longer timed):
+      what :func:`choose` compares round by round.
     """
     cands = _check_candidates(candidates)
     checks.check_int(repeats, "repeats", 1)
@@ -423,18 +500,37 @@ def measure(
     key = (
         tuple(int(d.id) for d in mesh.devices.flat), axis_name, str(jax.tree.structure(shapes)),
         tuple((s.shape, str(s.dtype)) for s in jax.tree.leaves(shapes)),
-        tuple(c.name for c in cands), repeats, drop, statistic,
+        tuple(c.name for c in cands), repeats, drop,
     )  # fmt: skip
-    if key in _CACHE and not refresh:
-        return dict(_CACHE[key])
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    programs = [_program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]]
-    times = time_programs(
-        programs, repeats, drop=drop, settle=_settle(mesh, axis_name), statistic=statistic
-    )
-    costs = {c.name: max(t - times[0], 0.0) for c, t in zip(cands, times[1:])}
-    _CACHE[key] = costs
-    return dict(costs)
+    if key not in _CACHE or refresh:
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        programs = [
+            _program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]
+        ]
+        _CACHE[key] = time_samples(programs, repeats, drop=drop, settle=_settle(mesh, axis_name))
+    base, *samples = _CACHE[key]
+    if rounds:
+        return {
+            c.name: [math.nan if math.isnan(t) else max(t - b, 0.0) for t, b in zip(s, base)]
+            for c, s in zip(cands, samples)
+        }
+    b = _summary(base, statistic)
+    return {c.name: max(_summary(s, statistic) - b, 0.0) for c, s in zip(cands, samples)}
+
+
+def wins_over_dense(rounds: dict[str, Sequence[float]], margin: float) -> dict[str, float]:
+    """Per candidate, the share of rounds (where both were timed) it cost <= (1 - margin) x dense.
+
+    ``rounds``: :func:`measure`'s ``rounds=True`` result (one name ``"dense"``).
+    ``nan`` for dense itself and where no round timed both.
+    """
+    ref = rounds["dense"]
+    out = {}
+    for name, costs in rounds.items():
+        pairs = [(c, d) for c, d in zip(costs, ref) if not (math.isnan(c) or math.isnan(d))]
+        won = sum(c <= (1 - margin) * d for c, d in pairs)
+        out[name] = won / len(pairs) if pairs and name != "dense" else math.nan
+    return out
 
 
 def _shapes(params: Any) -> Any:
@@ -457,6 +553,8 @@ def choose(
     repeats: int = 5,
     costs: dict[str, float] | None = None,
     refresh: bool = False,
+    rounds: dict[str, Sequence[float]] | None = None,
+    min_wins: float = MIN_WINS,
 ) -> Choice:
     """Measure every candidate's exchange of a gradient like ``params`` on ``mesh``; choose.
 
@@ -476,8 +574,14 @@ def choose(
       calibration: optional; adds each candidate's alpha-beta prediction.
       repeats: timed rounds of :func:`measure`, >= 1.
       costs: ``{name: seconds}`` measured before (e.g. a saved
-        :func:`measure`); ``None``: :func:`measure` now.
+        :func:`measure`); ``None``: :func:`measure` now (and its rounds).
       refresh: measure again even if this process has cached costs.
+      rounds: ``{name: [cost per round]}`` (:func:`measure` with
+        ``rounds=True``) beside given ``costs``; without them (and with
+        ``costs`` given) the rounds rule is not applied.
+      min_wins: a compressed candidate is chosen only if it beat dense by the
+        margin in at least this share of the rounds (:func:`wins_over_dense`;
+        :data:`MIN_WINS`), in [0, 1].
 
     Returns:
       A :class:`Choice` (``print(choice)`` shows the table).
@@ -492,6 +596,8 @@ def choose(
     if costs is None:
         costs = measure(params, mesh, axis_name, candidates=cands, repeats=repeats,
                         refresh=refresh)  # fmt: skip
+        rounds = measure(params, mesh, axis_name, candidates=cands, repeats=repeats,
+                         rounds=True)  # fmt: skip
     missing = [c.name for c in cands if c.name not in costs]
     if missing:
         raise ValueError(f"costs: no seconds for candidates {missing}")
@@ -499,15 +605,18 @@ def choose(
     reports = [accounting.wire_report(tx, zeros, n) for tx in _build(cands, axis_name)]
     wire = [sum(c.nbytes for c in rep) for rep in reports]
     dense_bytes = wire[[c.name for c in cands].index("dense")]
+    wins = wins_over_dense(rounds, margin) if rounds is not None else {}
     rows = []
     for c, b, rep in zip(cands, wire, reports):
         ratio = dense_bytes / b if b else math.inf
         capped = max_ratio is not None and ratio > max_ratio
         pred = calibrate.exchange_time(rep, calibration) if calibration is not None else math.nan
         excluded = f"compresses {ratio:.0f}x > max_ratio {max_ratio:g}" if capped else ""
-        rows.append(Row(c.name, float(costs[c.name]), int(b), ratio, pred, excluded))
-    name, reason = decide(rows, margin)
-    return Choice(name, tuple(rows), n, reason)
+        rows.append(Row(c.name, float(costs[c.name]), int(b), ratio, pred, excluded,
+                        wins.get(c.name, math.nan)))  # fmt: skip
+    name, reason = decide(rows, margin, min_wins)
+    kept = None if rounds is None else {k: list(v) for k, v in rounds.items()}
+    return Choice(name, tuple(rows), n, reason, kept)
 
 
 class WarmupState(NamedTuple):
@@ -563,13 +672,15 @@ def auto(
     calibration: calibrate.Calibration | None = None,
     repeats: int = 5,
     costs: dict[str, float] | None = None,
+    rounds: dict[str, Sequence[float]] | None = None,
+    min_wins: float = MIN_WINS,
     log: Callable[[str], None] | None = print,
 ) -> optax.GradientTransformation:
     """The exchange :func:`choose` picks for ``params`` on ``mesh`` (never slower than dense).
 
     Args:
       params, mesh, axis_name, candidates, margin, max_ratio, calibration,
-        repeats, costs: see :func:`choose`.
+        repeats, costs, rounds, min_wins: see :func:`choose`.
       warmup_steps: steps of dense exchange before the chosen one
         (:func:`dense_warmup`), an int >= 0.
       log: called with the choice's table (``None``: silent); only process 0 logs.
@@ -584,7 +695,7 @@ def auto(
     """
     choice = choose(
         params, mesh, axis_name, candidates=candidates, margin=margin, max_ratio=max_ratio,
-        calibration=calibration, repeats=repeats, costs=costs,
+        calibration=calibration, repeats=repeats, costs=costs, rounds=rounds, min_wins=min_wins,
     )  # fmt: skip
     if log is not None and jax.process_index() == 0:
         log(choice.table())

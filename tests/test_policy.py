@@ -291,3 +291,84 @@ def test_measured_program_runs_a_steady_state_step():
         np.put_along_axis(res, idx, 0.0, axis=1)
     got = np.asarray(call.state.residual["w"]).reshape(8, -1)
     np.testing.assert_allclose(got, res, rtol=1e-5, atol=1e-5)
+
+
+class _Logger:
+    """A stand-in program that appends its name to a shared log at each call."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def __call__(self, arg):
+        self.log.append(self.name)
+        return self
+
+    def block_until_ready(self):
+        return self
+
+
+def _orders(seed):
+    log = []
+    progs = [(_Logger(i, log), None) for i in range(4)]
+    # settle() runs after each sample: the program called just before it was the one sampled
+    samples = policy.time_samples(progs, 6, drop=False, seed=seed,
+                                  settle=lambda: log.append("|"))  # fmt: skip
+    assert [len(s) for s in samples] == [6] * 4
+    sampled = [log[i - 1] for i, x in enumerate(log) if x == "|"]
+    return [tuple(sampled[k:k + 4]) for k in range(0, len(sampled), 4)]  # fmt: skip
+
+
+def test_time_samples_draws_a_fresh_order_each_round_the_same_for_a_seed():
+    orders = _orders(0)
+    assert len(orders) == 6 and all(sorted(o) == [0, 1, 2, 3] for o in orders)
+    assert len(set(orders)) > 1  # not one fixed order
+    assert orders == _orders(0)  # every process draws the same orders
+    assert orders != _orders(1)
+
+
+def test_a_dropped_program_has_nan_in_the_rounds_after():
+    base, fast, slow = _Sleeper(0.0), _Sleeper(0.02), _Sleeper(0.3)
+    samples = policy.time_samples([(p, None) for p in (base, fast, slow)], 3)
+    assert not math.isnan(samples[2][0]) and all(math.isnan(x) for x in samples[2][1:])
+    assert not any(math.isnan(x) for x in samples[1])
+
+
+def test_wins_over_dense_counts_the_rounds_a_candidate_beat_dense_by_the_margin():
+    nan = math.nan
+    rounds = {
+        "dense": [1.0, 1.0, 1.0, 1.0, nan],
+        "a": [0.5, 0.95, 0.9, 0.2, 0.1],  # 0.95 > 0.9 * 1.0; the last round has no dense
+        "b": [2.0, 2.0, nan, nan, nan],
+    }
+    wins = policy.wins_over_dense(rounds, 0.1)
+    assert wins["a"] == 3 / 4 and wins["b"] == 0.0 and math.isnan(wins["dense"])
+    assert policy.wins_over_dense(rounds, 0.0)["a"] == 1.0
+
+
+def test_decide_needs_the_wins_in_enough_rounds():
+    def row(name, seconds, wins):
+        return policy.Row(name, seconds, 1, 1.0, math.nan, "", wins)
+
+    lucky, steady = row("lucky", 0.2, 0.6), row("steady", 0.5, 1.0)
+    # the least cost came from a few lucky rounds: the steady one is chosen
+    assert policy.decide([row("dense", 1.0, math.nan), lucky, steady], 0.1)[0] == "steady"
+    name, reason = policy.decide([row("dense", 1.0, math.nan), lucky], 0.1)
+    assert name == "dense" and "in 60% of the rounds, fewer than 80%" in reason
+    assert policy.decide([row("dense", 1.0, math.nan), lucky], 0.1, min_wins=0.6)[0] == "lucky"
+    with pytest.raises(ValueError, match="min_wins"):
+        policy.decide([row("dense", 1.0, math.nan)], 0.1, min_wins=1.5)
+
+
+def test_choose_reads_the_rounds_of_its_measurement():
+    mesh = helpers.mesh()
+    cands = (DENSE, SLOW, LOCAL)
+    costs = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=3)
+    rounds = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=3, rounds=True)
+    assert sorted(rounds) == sorted(costs) and all(len(r) == 3 for r in rounds.values())
+    # costs come from the same (cached) samples: dense's least round cost bounds its cost
+    assert min(rounds["dense"]) >= 0 and costs["dense"] >= 0
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands, repeats=3)
+    wins = policy.wins_over_dense(rounds, 0.1)
+    assert choice.row("local").wins == wins["local"] and choice.row("slow").wins == wins["slow"]
+    assert choice.name == "local" and choice.row("local").wins >= policy.MIN_WINS
+    assert "wins" in choice.table().splitlines()[1]

@@ -438,12 +438,22 @@ def test_auto_records_its_choice_and_a_resumed_run_replays_it(tmp_path):
     rows = {r["name"]: r for r in record["rows"]}
     assert record["choice"] in rows and set(rows) >= {"dense", "topk_1pct"}
     assert first.metrics[0]["wire_bytes"] == rows[record["choice"]]["wire_bytes"]
-    # recorded costs that make another candidate the choice: the run decides from them
+    assert sorted(record["rounds"]) == sorted(rows)  # the rounds the rule read (1 here)
+    assert all(len(r) == 1 for r in record["rounds"].values())
+    # recorded costs and rounds that make another candidate the choice: the run decides
+    # from them
     other = "topk_1pct" if record["choice"] != "topk_1pct" else "int8_ef"
     for name, row in rows.items():
         row["seconds"] = 0.0 if name == other else 1.0
+        record["rounds"][name] = [row["seconds"]]
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "auto_choice.json").write_text(json.dumps(record))
     second = train.train_and_evaluate(config, str(tmp_path / "b"))
     assert second.metrics[0]["wire_bytes"] == rows[other]["wire_bytes"]
     assert rows[other]["wire_bytes"] != rows[record["choice"]]["wire_bytes"]
+    # the same costs, but rounds in which it never beat dense: the replay keeps dense
+    record["rounds"][other] = [2.0]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "auto_choice.json").write_text(json.dumps(record))
+    third = train.train_and_evaluate(config, str(tmp_path / "c"))
+    assert third.metrics[0]["wire_bytes"] == rows["dense"]["wire_bytes"]
