@@ -356,7 +356,7 @@ def psum_scatter(
     prev = None
     bucket_bytes = _resolve(bucket_bytes, "reduce_scatter")
     for bucket in plan([_nbytes(x) for x in arrays], keys, bucket_bytes):
-        if not bucket_bytes:
+        if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = collectives.psum_scatter(arrays[bucket[0]], axis_name)
             continue
         rows = pack([arrays[i].reshape(n, -1) for i in bucket], axis_name, prev)
@@ -405,7 +405,7 @@ def all_to_all(
     prev = None
     bucket_bytes = _resolve(bucket_bytes, "all_to_all")
     for bucket in plan([s * n for s in sizes], [None] * len(arrays), bucket_bytes):
-        if not bucket_bytes:
+        if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = collectives.all_to_all(arrays[bucket[0]], axis_name)
             continue
         rows = [_rows_to_bytes(arrays[i], n) for i in bucket]

@@ -318,3 +318,38 @@ def test_hlo_operand_count_parsed():
     ]
     assert accounting.collective_count(text) == 2
     assert accounting.collective_count(text, operands=True) == 3
+
+
+@pytest.mark.parametrize("kind", ["psum_scatter", "all_to_all"])
+def test_two_phase_collectives_send_a_payload_larger_than_a_bucket_as_it_is(kind):
+    # as psum and all_gather do: packing it would only copy it
+    big, small = (H.N, 4000), (H.N, 3)
+    arrays = [jnp.arange(math.prod(s), dtype=jnp.float32).reshape(s) + i for i, s in
+              enumerate([big, small, small])]  # fmt: skip
+    spec = H.P(H.AXIS)
+    sharding = H.NamedSharding(H.mesh(), spec)
+    xs = [jax.device_put(jnp.broadcast_to(a[None], (H.N,) + a.shape), sharding) for a in arrays]
+
+    def program(bucket_bytes):
+        def f(*xs):
+            xs = [x[0] if kind == "all_to_all" else x[0].reshape(-1) for x in xs]
+            return [g[None] for g in getattr(buckets, kind)(xs, "data", bucket_bytes)]
+
+        return jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=spec, out_specs=spec))
+
+    bucketed, per_leaf = program(1024), program(None)
+    for g, r in zip(bucketed(*xs), per_leaf(*xs)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+    def large(fn):  # writes of the big payload's size (XLA:CPU's all-to-all concatenates its
+        # result per leaf too)
+        writes = _writes(fn.lower(*xs).compile().as_text())
+        return writes, sorted(w for w in writes if w[2] * _word(w[0]) >= 4 * math.prod(big))
+
+    writes, got = large(bucketed)
+    assert [w for w in writes if w[0] in ("u8", "u16", "u32")], "the small ones are not packed"
+    assert got == large(per_leaf)[1], got
+
+
+def _word(t: str) -> int:
+    return {"u8": 1, "u16": 2}.get(t, 4)
