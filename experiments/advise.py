@@ -153,13 +153,14 @@ def render(result: dict) -> str:
     ]
     lines.append(
         f"{'exchange':<14}{'+ms':>9}{'alpha-beta ms':>15}{'predicted step ms':>19}{'wins':>6}"
-        "  (no-exchange step + the larger; rounds it beat dense by 10%)"
+        "  (no-exchange step + the larger; rounds it beat dense by the margin)"
     )
     for r in result["rows"]:
-        wins = r.get("wins", float("nan"))
+        wins = r.get("wins")
+        wins = "-" if wins is None or wins != wins else f"{wins:.0%}"
         lines.append(
             f"{r['name']:<14}{r['seconds'] * 1e3:>9.2f}{r['predicted_s'] * 1e3:>15.2f}"
-            f"{r['predicted_step_s'] * 1e3:>19.2f}{'-' if wins != wins else f'{wins:.0%}':>6}"
+            f"{r['predicted_step_s'] * 1e3:>19.2f}{wins:>6}"
         )
     lines.append(f"recommendation: {result['choice']} ({result['reason']})")
     return "\n".join(lines)
@@ -175,7 +176,7 @@ def main(argv: list[str]) -> None:
         print(render(result), flush=True)
         if FLAGS.out:
             with open(FLAGS.out, "w") as f:
-                json.dump(result, f, indent=1)
+                json.dump(train.json_ready(result), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -721,6 +721,17 @@ def build_model(config: ml_collections.ConfigDict, ds: data_lib.Dataset) -> tupl
     return model, variables["params"], variables.get("batch_stats", {})
 
 
+def json_ready(obj: Any) -> Any:
+    """``obj`` with every NaN float as ``None``: strict JSON (jq, JavaScript read it)."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj
+
+
 def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
     """The optimizer with jaxcomm.auto's choice; ``workdir/auto_choice.json`` records it.
 
@@ -734,6 +745,8 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
             recorded = json.load(f)
         costs = {r["name"]: r["seconds"] for r in recorded["rows"]}
         rounds = recorded.get("rounds")  # None in a record from before the rounds rule
+        if rounds is not None:  # null: a round after the candidate left play
+            rounds = {k: [float("nan") if x is None else x for x in v] for k, v in rounds.items()}
     tx = make_optimizer(config, params, mesh, costs, rounds)
     kw = {k: v for k, v in config.compressor.kwargs.items() if k != "warmup_steps"}
     # cached costs
@@ -744,7 +757,7 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
         record = {"choice": choice.name, "reason": choice.reason, "rows": rows,
                   "rounds": choice.rounds}  # fmt: skip
         with open(path + ".tmp", "w") as f:
-            json.dump(record, f, indent=1)
+            json.dump(json_ready(record), f, indent=1, allow_nan=False)
         os.replace(path + ".tmp", path)
     return tx
 

@@ -827,16 +827,18 @@ It compiles one small `shard_map` program per candidate
 int8 and top-k 1% with error feedback), each drawing a per-worker gradient
 shaped like `params` and exchanging it, plus a baseline that exchanges
 nothing; a candidate's cost is its time minus the baseline's (the slowest
-process's, so every process chooses alike). The cheapest wins, but a
-compressed candidate must beat dense by `margin` (default 10%: a tie goes to
-dense) and may not compress more than `max_ratio`; `warmup_steps` runs the
-dense mean first. The table is printed; `jaxcomm.policy.choose` returns it as
+process's, so every process chooses alike), timed in rounds, each in a fresh
+order. The cheapest wins, but a compressed candidate must beat dense by
+`margin` (default 10%: a tie goes to dense), must have done so in at least
+`min_wins` of the rounds (default 80%: one lucky round does not choose) and
+may not compress more than `max_ratio`; `warmup_steps` runs the dense mean
+first. The table is printed; `jaxcomm.policy.choose` returns it as
 a `Choice` (`choice.drifted(step_s, compute_s)` says when a measured step
 left the prediction by more than 20%: call `choose(..., refresh=True)`), and
 `choose(..., costs=...)` decides from costs measured before. The harness's
-`compressor.name="auto"` records the costs in `workdir/auto_choice.json`, and
-a resumed run decides from them (the checkpoint's state layout is the
-choice's).
+`compressor.name="auto"` records the costs and their rounds in
+`workdir/auto_choice.json`, and a resumed run decides from them (the
+checkpoint's state layout is the choice's).
 
 ```bash
 python -m experiments.advise --config=experiments/configs/lm_shakespeare.py

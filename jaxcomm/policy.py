@@ -305,6 +305,7 @@ def time_samples(
     drop: bool = True,
     settle: Callable[[], Any] | None = None,
     seed: int = 0,
+    keep: Sequence[int] = (0,),
 ) -> list[list[float]]:
     """Seconds per call of each ``(compiled, arg)`` program in each round (index 0 the baseline).
 
@@ -318,8 +319,10 @@ def time_samples(
     ``experiments/bench/buckets.py`` one program measured 1.03x and 0.65x
     another identical one), so load spreads over all. With ``drop``, after
     each round (the processes agree on the times first) candidates slower
-    than :data:`DROP_FACTOR` x the fastest leave play: every process drops the
-    same ones, so all run the same collectives. ``settle()`` (untimed) runs
+    than :data:`DROP_FACTOR` x the fastest leave play (never those of
+    ``keep``: the baseline, and what the others are compared with round by
+    round): every process drops the same ones, so all run the same
+    collectives. ``settle()`` (untimed) runs
     after each sample: a collective that returns only when the sample's
     traffic has drained from the link (a process can finish a collective
     while its last bytes to a peer still sit in a queue, and would charge
@@ -355,7 +358,7 @@ def time_samples(
         best = [_least(s) for s in samples]
         fastest = min(best[1:])
         if drop:
-            playing = [i for i in playing if i == 0 or best[i] <= DROP_FACTOR * fastest]
+            playing = [i for i in playing if i in keep or best[i] <= DROP_FACTOR * fastest]
     return samples
 
 
@@ -414,13 +417,6 @@ def _check_candidates(candidates) -> tuple[Candidate, ...]:
     return cands
 
 
-def _check_options(margin, max_ratio, repeats) -> None:
-    checks.check_float(margin, "margin", low=0, strict=False, high=1, high_strict=True)
-    if max_ratio is not None:
-        checks.check_float(max_ratio, "max_ratio", low=1, strict=False)
-    checks.check_int(repeats, "repeats", 1)
-
-
 #: The share of timed rounds in which a compressed candidate must beat dense by the margin
 #: (:func:`wins_over_dense`) to be chosen: its least cost alone can come from one lucky
 #: round. On 2 CPU processes over loopback, where each step's exchange costs well under a
@@ -428,20 +424,29 @@ def _check_options(margin, max_ratio, repeats) -> None:
 MIN_WINS = 0.8
 
 
+def _check_options(margin, max_ratio, repeats, min_wins: float = MIN_WINS) -> None:
+    checks.check_float(margin, "margin", low=0, strict=False, high=1, high_strict=True)
+    checks.check_float(min_wins, "min_wins", low=0, strict=False, high=1, high_strict=False)
+    if max_ratio is not None:
+        checks.check_float(max_ratio, "max_ratio", low=1, strict=False)
+    checks.check_int(repeats, "repeats", 1)
+
+
 def decide(rows: Sequence[Row], margin: float, min_wins: float = MIN_WINS) -> tuple[str, str]:
     """The chosen name and why, from measured rows (one named ``"dense"``).
 
-    The eligible compressed candidate of least cost, if that cost is at most
-    ``(1 - margin)`` x dense's and (where its rounds are known) it was so in
-    at least ``min_wins`` of the rounds; otherwise dense.
+    Among the eligible compressed candidates whose cost is at most
+    ``(1 - margin)`` x dense's and that were so in at least ``min_wins`` of the
+    rounds (``wins``; ``nan``, not known, passes), the one of least cost: a
+    slower candidate that wins steadily beats a faster one that won a few
+    lucky rounds. None: dense. Dense's cost 0 is beaten by nothing.
     """
-    _check_options(margin, None, 1)
-    checks.check_float(min_wins, "min_wins", low=0, strict=False, high=1, high_strict=False)
+    _check_options(margin, None, 1, min_wins)
     ref = next(r for r in rows if r.name == "dense")
     eligible = [r for r in rows if not r.excluded and r.name != "dense"]
     if not eligible:
         return "dense", "no compressed candidate is eligible"
-    fast = [r for r in eligible if r.seconds <= (1 - margin) * ref.seconds]
+    fast = [r for r in eligible if ref.seconds > 0 and r.seconds <= (1 - margin) * ref.seconds]
     sure = [r for r in fast if math.isnan(r.wins) or r.wins >= min_wins]
     if not fast:
         best = min(eligible, key=lambda r: r.seconds)
@@ -507,7 +512,10 @@ def measure(
         programs = [
             _program(mesh, axis_name, zeros, tx) for tx in [None, *_build(cands, axis_name)]
         ]
-        _CACHE[key] = time_samples(programs, repeats, drop=drop, settle=_settle(mesh, axis_name))
+        # dense stays in play: the rounds rule compares every candidate with it round by round
+        keep = [0] + [1 + i for i, c in enumerate(cands) if c.name == "dense"]
+        _CACHE[key] = time_samples(programs, repeats, drop=drop, settle=_settle(mesh, axis_name),
+                                   keep=keep)  # fmt: skip
     base, *samples = _CACHE[key]
     if rounds:
         return {
@@ -522,13 +530,17 @@ def wins_over_dense(rounds: dict[str, Sequence[float]], margin: float) -> dict[s
     """Per candidate, the share of rounds (where both were timed) it cost <= (1 - margin) x dense.
 
     ``rounds``: :func:`measure`'s ``rounds=True`` result (one name ``"dense"``).
-    ``nan`` for dense itself and where no round timed both.
+    A round in which dense cost 0 counts as lost (nothing beats nothing). ``nan``
+    for dense itself and where no round timed both.
     """
+    if "dense" not in rounds:
+        raise ValueError(f"rounds: no rounds of 'dense' to compare with; have {sorted(rounds)}")
     ref = rounds["dense"]
     out = {}
     for name, costs in rounds.items():
         pairs = [(c, d) for c, d in zip(costs, ref) if not (math.isnan(c) or math.isnan(d))]
-        won = sum(c <= (1 - margin) * d for c, d in pairs)
+        # a round where dense cost nothing (its sample no slower than the baseline's) is lost
+        won = sum(d > 0 and c <= (1 - margin) * d for c, d in pairs)
         out[name] = won / len(pairs) if pairs and name != "dense" else math.nan
     return out
 
@@ -591,8 +603,10 @@ def choose(
       >>> print(choice)
     """
     cands = _check_candidates(candidates)
-    _check_options(margin, max_ratio, repeats)
+    _check_options(margin, max_ratio, repeats, min_wins)
     n = calibrate.axis_size(mesh, axis_name)
+    if costs is None and rounds is not None:
+        raise ValueError("rounds: give them with the costs they were measured with (costs=...)")
     if costs is None:
         costs = measure(params, mesh, axis_name, candidates=cands, repeats=repeats,
                         refresh=refresh)  # fmt: skip
@@ -605,7 +619,14 @@ def choose(
     reports = [accounting.wire_report(tx, zeros, n) for tx in _build(cands, axis_name)]
     wire = [sum(c.nbytes for c in rep) for rep in reports]
     dense_bytes = wire[[c.name for c in cands].index("dense")]
-    wins = wins_over_dense(rounds, margin) if rounds is not None else {}
+    wins: dict[str, float] = {}
+    if rounds is not None:
+        known = wins_over_dense(rounds, margin)
+        for c in cands:
+            w = known.get(c.name, math.nan)
+            # with rounds, a candidate never compared with dense (absent, or no round shared
+            # with it) is not sure: 0, not the nan that passes
+            wins[c.name] = 0.0 if c.name != "dense" and math.isnan(w) else w
     rows = []
     for c, b, rep in zip(cands, wire, reports):
         ratio = dense_bytes / b if b else math.inf

@@ -12,11 +12,12 @@ worker. Checked, per step: the updates and the state agree, the dtypes are
 kept, and the compiled step holds no host transfer (no callback,
 infeed/outfeed or host send/recv). ``-s`` prints each transform's largest
 relative error (2-norm of a leaf's difference over its norm) and its entries
-beyond the tolerance (flips).
+beyond the tolerance (flips, summed over the steps and leaves).
 
 Agree means: NaNs and infinities in the same places, and every entry within
 ``TOL`` of the run's dtype (relative to the entry plus the leaf's RMS), bar
-at most 0.5% of a leaf's entries (at least one). The two backends sum in
+at most 0.5% of a leaf's entries (at least one), and the leaf's relative
+error within 10 x ``TOL`` (so no flip goes far). The two backends sum in
 other orders, so a value at a rounding tie or at a selection's boundary may
 go the other way: on one H200, bf16 int8 with round-to-nearest moved one
 code of 480 (relative error of the residual 0.1), while every other
@@ -129,7 +130,8 @@ def test_accelerator_agrees_with_cpu(name, dtype):
             if jnp.issubdtype(da, jnp.floating):
                 err, off, allowed = compare(a, c, tol)
                 worst, flips = max(worst, err), flips + off
-                if off > allowed:
+                # a flip may go the other way, not far: the leaf's norm bounds them all
+                if off > allowed or err > 10 * tol:
                     wrong.append(f"step {step}: {off} of {a.size} entries differ by more than "
                                  f"{tol:.0e} (relative error {err:.2e})")  # fmt: skip
             else:  # counters, keys, packed codes: the same bits

@@ -362,13 +362,51 @@ def test_decide_needs_the_wins_in_enough_rounds():
 def test_choose_reads_the_rounds_of_its_measurement():
     mesh = helpers.mesh()
     cands = (DENSE, SLOW, LOCAL)
-    costs = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=3)
-    rounds = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=3, rounds=True)
-    assert sorted(rounds) == sorted(costs) and all(len(r) == 3 for r in rounds.values())
-    # costs come from the same (cached) samples: dense's least round cost bounds its cost
-    assert min(rounds["dense"]) >= 0 and costs["dense"] >= 0
-    choice = policy.choose(PARAMS, mesh, "data", candidates=cands, repeats=3)
+    costs = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=5)
+    rounds = policy.measure(PARAMS, mesh, "data", candidates=cands, repeats=5, rounds=True)
+    assert sorted(rounds) == sorted(costs) and all(len(r) == 5 for r in rounds.values())
+    # the same (cached) samples: min_r (s_r - b_r) <= min s - min b, for every candidate
+    for name in costs:
+        assert min(x for x in rounds[name] if x == x) <= costs[name] + 1e-12
+    # dense stays in play every round (slow may leave)
+    assert not any(math.isnan(x) for x in rounds["dense"])
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands, repeats=5)
     wins = policy.wins_over_dense(rounds, 0.1)
     assert choice.row("local").wins == wins["local"] and choice.row("slow").wins == wins["slow"]
     assert choice.name == "local" and choice.row("local").wins >= policy.MIN_WINS
     assert "wins" in choice.table().splitlines()[1]
+
+
+def test_kept_programs_stay_in_play():
+    base, fast, slow = _Sleeper(0.0), _Sleeper(0.02), _Sleeper(0.3)
+    samples = policy.time_samples([(p, None) for p in (base, fast, slow)], 3, keep=(0, 2))
+    assert not any(math.isnan(x) for x in samples[2])
+
+
+def test_dense_costing_nothing_is_beaten_by_nothing():
+    wins = policy.wins_over_dense({"dense": [0.0, 1.0], "a": [0.0, 0.5]}, 0.1)
+    assert wins["a"] == 0.5  # the round where dense cost 0 is lost
+    rows = [
+        policy.Row("dense", 0.0, 1, 1.0, math.nan, ""),
+        policy.Row("a", 0.0, 1, 1.0, math.nan, ""),
+    ]
+    assert policy.decide(rows, 0.0)[0] == "dense"
+    with pytest.raises(ValueError, match="rounds: no rounds of 'dense'"):
+        policy.wins_over_dense({"a": [1.0]}, 0.1)
+
+
+def test_choose_with_rounds_checks_them():
+    mesh = helpers.mesh()
+    cands = (DENSE, LOCAL)
+    costs = {"dense": 1.0, "local": 0.0}
+    with pytest.raises(ValueError, match="rounds: give them with the costs"):
+        policy.choose(PARAMS, mesh, "data", candidates=cands, rounds={"dense": [1.0]})
+    # local never compared with dense: not sure, dense stays
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands, costs=costs,
+                           rounds={"dense": [1.0, 1.0]})  # fmt: skip
+    assert choice.name == "dense" and choice.row("local").wins == 0.0
+    choice = policy.choose(PARAMS, mesh, "data", candidates=cands, costs=costs,
+                           rounds={"dense": [1.0, 1.0], "local": [0.0, 0.0]})  # fmt: skip
+    assert choice.name == "local" and choice.rounds["local"] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="min_wins"):
+        policy.choose(PARAMS, mesh, "data", candidates=cands, costs=costs, min_wins=-0.1)

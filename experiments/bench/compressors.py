@@ -192,9 +192,13 @@ def _median_ratio(fn: Callable[[], object], base: Callable[[], object], reps: in
     return statistics.median(ratios)
 
 
-def _over(traffic: float, ring: float) -> float:
-    """traffic / ring; NaN on one device (nothing crosses a link: the time is the codec's)."""
-    return traffic / ring if ring else float("nan")
+def _over(traffic: float, ring: float) -> float | None:
+    """traffic / ring; None on one device (nothing crosses a link: the time is the codec's)."""
+    return traffic / ring if ring else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.5f}"
 
 
 def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
@@ -234,7 +238,7 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
         )
         print(
             f"{d:>10}  {name:<20} {r:>8.2f}x  {payload / dense_payload:>10.5f}"
-            f"  {_over(traffic, dense_traffic):>10.5f}",
+            f"  {_fmt(_over(traffic, dense_traffic)):>10}",
             flush=True,
         )
     return rows
@@ -356,7 +360,7 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
         )
         print(
             f"{name:<22} {r:>7.2f}x  {payload / dense32:>9.5f}  {payload / dense16:>9.5f}"
-            f"  {_over(traffic, ring):>18.5f}",
+            f"  {_fmt(_over(traffic, ring)):>18}",
             flush=True,
         )
     return rows

@@ -185,13 +185,18 @@ class RandomK(_Sparse):
     def _indices(self, key, d: int) -> jax.Array:
         k = self.slots(d)
         if self.sampling == "uniform":
-            # The k least of d random 32-bit words: a uniform k-subset (a tie, two equal
-            # words at the boundary, goes to the lower index). Near k/d of 2^32 a float32
-            # holds the word exactly below 2^24 (ratios up to 1/256), and XLA's top-k is
-            # fast on float32 only. jax.random.choice(replace=False) shuffles all d
-            # entries (several sorts): 52x slower at d = 2.4M on one CPU device.
-            words = jax.random.bits(key, (d,), jnp.uint32)
-            return jax.lax.top_k(-words.astype(jnp.float32), k)[1].astype(jnp.int32)
+            # The k least of d random 32-bit words, as float32 (XLA's top-k is fast on
+            # float32 only; a float holds the word exactly below 2^24, i.e. for ratios up
+            # to 1/256, and rounds it above), rotated by a random shift: a uniform k-subset
+            # up to ties at the boundary (equal words, or words a float does not tell
+            # apart), which top-k gives to the lower index; the shift makes every index's
+            # chance exactly k/d all the same. jax.random.choice(replace=False) shuffled all
+            # d entries (several sorts): 52x slower at d = 2.4M on one CPU device.
+            k_words, k_shift = jax.random.split(key)
+            words = jax.random.bits(k_words, (d,), jnp.uint32)
+            idx = jax.lax.top_k(-words.astype(jnp.float32), k)[1].astype(jnp.int32)
+            shift = jax.random.randint(k_shift, (), 0, d, dtype=jnp.int32)
+            return jnp.where(idx >= d - shift, idx - (d - shift), idx + shift)
         lo, size = self._strata(d)
         offs = jnp.floor(jax.random.uniform(key, (k,)) * size).astype(jnp.int32)
         return jnp.asarray(lo, jnp.int32) + jnp.minimum(offs, jnp.asarray(size - 1, jnp.int32))
