@@ -21,8 +21,8 @@ For the config's model and the current mesh it
    and the alpha-beta time of the candidate's collectives: a step cannot move
    its bytes faster than the calibrated link, but a short timed program can
    (a ``tc ... tbf`` link passes its burst at line rate; on the wide MLP at
-   10 Mbit/s PowerSGD's measured cost predicted 0.53 of the training step,
-   the alpha-beta time 1.13: ``experiments/results/auto.md``).
+   10 Mbit/s PowerSGD's measured cost predicted 0.81 of the training step,
+   the alpha-beta time 1.25: ``experiments/results/auto.md``).
 
 ``--out`` writes all of it as JSON (``experiments/bench/auto.py`` compares the
 predictions with measured training steps).
