@@ -53,9 +53,11 @@ KNOWN = {
     ("int8:nearest_ef", "f32"): "the residual's cancellation, FMA on the GPU only",
     ("int8:nearest_ef", "bf16"): "the residual's cancellation and rounding ties: 16 of 2304",
     ("dgc:warmup_nesterov_clip", "bf16"): "13 of 2304 entries at the selection's edge",
-    # 128 of 2304 entries at step 1, relative error 0.15: a sign at zero moves a bucket's
-    # two means; not yet explained
-    ("onebit:bucket", "bf16"): "a bucket's means move (128 of 2304 entries): to explain",
+    # 128 of 2304 entries at step 1, relative error 0.15. Likely (not yet seen on a GPU):
+    # on 8 workers it runs two-phase, the server re-quantises the workers' summed chunk,
+    # summed in another order; an entry near 0 takes the other sign and moves its bucket's
+    # two means
+    ("onebit:bucket", "bf16"): "two-phase server: a sign at ~0 moves a bucket (128 of 2304)",
 }
 HOST_TRANSFER = ("outfeed", "infeed", "is_host_transfer=true", "callback", "host_compute")
 
