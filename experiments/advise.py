@@ -51,6 +51,7 @@ from ml_collections import config_flags
 
 from experiments import data as data_lib
 from experiments import train
+from experiments.studies import runs
 from jaxcomm import calibrate, distributed, policy
 
 FLAGS = flags.FLAGS
@@ -176,7 +177,7 @@ def main(argv: list[str]) -> None:
         print(render(result), flush=True)
         if FLAGS.out:
             with open(FLAGS.out, "w") as f:
-                json.dump(train.json_ready(result), f, indent=1, allow_nan=False)
+                json.dump(runs.json_ready(result), f, indent=1, allow_nan=False)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from experiments import data as data_lib
 from experiments import models
+from experiments.studies import runs
 from jaxcomm import distributed, netsim
 
 AXIS = "data"
@@ -721,17 +722,6 @@ def build_model(config: ml_collections.ConfigDict, ds: data_lib.Dataset) -> tupl
     return model, variables["params"], variables.get("batch_stats", {})
 
 
-def json_ready(obj: Any) -> Any:
-    """``obj`` with every NaN float as ``None``: strict JSON (jq, JavaScript read it)."""
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, dict):
-        return {k: json_ready(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_ready(v) for v in obj]
-    return obj
-
-
 def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
     """The optimizer with jaxcomm.auto's choice; ``workdir/auto_choice.json`` records it.
 
@@ -749,7 +739,7 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
             rounds = {k: [float("nan") if x is None else x for x in v] for k, v in rounds.items()}
     tx = make_optimizer(config, params, mesh, costs, rounds)
     kw = {k: v for k, v in config.compressor.kwargs.items() if k != "warmup_steps"}
-    # cached costs
+    # the choice make_optimizer made (its measurement is cached), for the record
     choice = jaxcomm.policy.choose(params, mesh, AXIS, **kw, costs=costs, rounds=rounds)
     if lead and costs is None:
         os.makedirs(workdir, exist_ok=True)
@@ -757,7 +747,7 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
         record = {"choice": choice.name, "reason": choice.reason, "rows": rows,
                   "rounds": choice.rounds}  # fmt: skip
         with open(path + ".tmp", "w") as f:
-            json.dump(json_ready(record), f, indent=1, allow_nan=False)
+            json.dump(runs.json_ready(record), f, indent=1, allow_nan=False)
         os.replace(path + ".tmp", path)
     return tx
 

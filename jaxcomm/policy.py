@@ -55,8 +55,8 @@ from jaxcomm.compressors import dense, powersgd, quantize, sparse
 __all__ = [
     "DEFAULT_CANDIDATES",
     "DROP_FACTOR",
-    "MIN_WINS",
     "LEAD_IN_S",
+    "MIN_WINS",
     "SAMPLE_S",
     "STATISTICS",
     "WARM_STEPS",
@@ -355,15 +355,11 @@ def time_samples(
         timed = dict(zip(order, calibrate.slowest_process(round_s)))
         for i in range(len(programs)):
             samples[i].append(timed.get(i, math.nan))
-        best = [_least(s) for s in samples]
+        best = [_summary(s, "min") for s in samples]
         fastest = min(best[1:])
         if drop:
             playing = [i for i in playing if i in keep or best[i] <= DROP_FACTOR * fastest]
     return samples
-
-
-def _least(xs: Sequence[float]) -> float:
-    return min(x for x in xs if not math.isnan(x))
 
 
 def _summary(xs: Sequence[float], statistic: str) -> float:

@@ -203,6 +203,7 @@ def _worker(pid: int, port: int, reps: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomm
+    from experiments.bench import timing
     from jaxcomm import buckets
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
@@ -257,13 +258,9 @@ def _worker(pid: int, port: int, reps: int) -> None:
         for fn in cases.values():  # compile and warm up
             jax.block_until_ready(fn(grads))
         # 3 * reps rounds, every case timed once a round (interleaved) in an order drawn
-        # for the round (the same on both processes); a case's least time counts. In a
-        # fixed order two cases compiling to the same program differed by 1.6x (ResNet-18
-        # EF-sign), a case's time depending on the one before it.
-        order = np.random.default_rng(0)
-        names = list(cases)
-        for _ in range(3 * reps):
-            for name in order.permutation(names):
+        # for the round (the same on both processes); a case's least time counts
+        for names in timing.shuffled_rounds(cases, 3 * reps):
+            for name in names:
                 fn = cases[name]
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(grads))

@@ -49,13 +49,12 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from experiments.bench import compressors, threshold_fill
+from experiments.bench import compressors, threshold_fill, timing
 from experiments.studies import runs
 
 AXIS = "data"
@@ -96,9 +95,8 @@ def interleaved_min(calls: dict[str, Callable[[], object]], reps: int) -> dict[s
         jax.block_until_ready(fn())
         jax.block_until_ready(fn())
     best = dict.fromkeys(calls, math.inf)
-    order = np.random.default_rng(0)  # each round in its own order (see bench/buckets.py)
-    for _ in range(reps):
-        for name in order.permutation(list(calls)):
+    for names in timing.shuffled_rounds(calls, reps):
+        for name in names:
             fn = calls[name]
             start = time.perf_counter()
             jax.block_until_ready(fn())

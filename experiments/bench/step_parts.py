@@ -67,10 +67,9 @@ def define_flags() -> None:
 
 def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
     """One link's measurements; every process of the launch runs it."""
-    import numpy as np
-
     from experiments import advise, train
     from experiments import data as data_lib
+    from experiments.bench import timing
     from experiments.configs import digits_mlp
     from jaxcomm import accounting, calibrate, distributed, policy
 
@@ -87,11 +86,7 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
     txs.update({m: train.make_optimizer(c) for m, c in configs.items()})
     runs = {k: advise.train_call(base, model, params, stats, mesh, ds, tx) for k, tx in txs.items()}
     times: dict[str, list[float]] = {k: [] for k in runs}
-    # each round in its own order, the same on both processes (seeded): in a fixed
-    # order a case's time depended on the case before it (experiments/bench/buckets.py)
-    order = np.random.default_rng(0)
-    for _ in range(rounds):
-        names = [str(k) for k in order.permutation(list(runs))]
+    for names in timing.shuffled_rounds(runs, rounds):
         got = []
         for k in names:
             start = time.perf_counter()

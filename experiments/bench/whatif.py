@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 from absl import app, flags
 
+from experiments.studies import runs
 from jaxcomm import netsim
 
 FLAGS = flags.FLAGS
@@ -515,17 +516,6 @@ def write_plots(outdir, names, bandwidths, sf, req, topk, dgc) -> list[str]:
 # --- main -----------------------------------------------------------------------
 
 
-def _finite(x):
-    """JSON has no infinity: an unreachable ratio is written as null."""
-    if isinstance(x, float) and math.isinf(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def main(argv: Sequence[str]) -> None:
     del argv
     names = list(FLAGS.models)
@@ -614,7 +604,7 @@ def main(argv: Sequence[str]) -> None:
     }  # fmt: skip
     path = os.path.join(FLAGS.outdir, "whatif.json")
     with open(path, "w") as f:
-        json.dump(_finite(result), f, indent=1)
+        json.dump(runs.json_ready(result), f, indent=1)
     print(f"\nwrote {path}")
     if FLAGS.plots:
         for p in write_plots(FLAGS.outdir, names, bandwidths, sf, req, topk, dgc):

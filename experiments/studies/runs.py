@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def launched(argv: list[str], workdir: str, keep: Sequence[str]) -> dict:
@@ -29,6 +31,17 @@ def launched(argv: list[str], workdir: str, keep: Sequence[str]) -> dict:
         "process_wall_s": round(time.perf_counter() - t0, 2),
         "curve": [{k: r[k] for k in keep} for r in rows],
     }
+
+
+def json_ready(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, infinity) as ``None``: strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    return obj
 
 
 def save_json(path: str, obj: dict) -> None:
