@@ -87,21 +87,25 @@ def main(argv: list[str]) -> None:
             text = _run([py, "-m", "pytest", "tests/test_accelerator.py", "-n", "0", "-s", "-rA",
                          "-q"], f.timeout, env)  # fmt: skip
             results["agree"] = parse_agree(text)
+
+        def part(module: str, *args: str) -> dict | None:
+            """``python -m module *args --out=...``'s JSON (None if it wrote none)."""
+            out = os.path.join(tmp, module.rsplit(".", 1)[-1] + ".json")
+            _run([py, "-m", module, *args, f"--reps={f.reps}", f"--out={out}"], f.timeout)
+            if not os.path.exists(out):
+                return None
+            with open(out) as fh:
+                return json.load(fh)
+
         if "floor" in f.parts:
-            out = os.path.join(tmp, "floor.json")
-            _run([py, "-m", "experiments.bench.floor", f"--d={f.floor_d}", f"--reps={f.reps}",
-                  f"--out={out}"], f.timeout)  # fmt: skip
-            if os.path.exists(out):
-                with open(out) as fh:
-                    results["floor"] = json.load(fh)
+            floor = part("experiments.bench.floor", f"--d={f.floor_d}")
+            if floor is not None:
+                results["floor"] = floor
         if "codecs" in f.parts:
-            out = os.path.join(tmp, "codecs.json")
-            _run([py, "-m", "experiments.bench.compressors", "--tree=gpt2",
-                  f"--gpt2_layers={f.gpt2_layers}", f"--reps={f.reps}", f"--cases={f.codecs}",
-                  f"--out={out}"], f.timeout)  # fmt: skip
-            if os.path.exists(out):
-                with open(out) as fh:
-                    results["codecs"] = json.load(fh)["rows"]
+            codecs = part("experiments.bench.compressors", "--tree=gpt2",
+                          f"--gpt2_layers={f.gpt2_layers}", f"--cases={f.codecs}")  # fmt: skip
+            if codecs is not None:
+                results["codecs"] = codecs["rows"]
     os.makedirs(os.path.dirname(f.out) or ".", exist_ok=True)
     with open(f.out, "w") as fh:
         json.dump(results, fh, indent=1)
