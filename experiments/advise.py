@@ -16,7 +16,8 @@ For the config's model and the current mesh it
    prediction is of training's median step, stalls between processes and all)
    and its alpha-beta prediction from the calibration;
 4. prints each candidate's predicted step time and the recommendation
-   :func:`jaxcomm.auto` would make, with the reason. The prediction
+   :func:`jaxcomm.auto` would make, with the reason (an ``auto`` config's
+   ``margin``, ``max_ratio`` and ``min_wins`` apply: :func:`guard_options`). The prediction
    (:func:`predicted_step`) is ``compute_s`` + the larger of the measured cost
    and the alpha-beta time of the candidate's collectives: a step cannot move
    its bytes faster than the calibrated link, but a short timed program can
@@ -114,6 +115,20 @@ def predicted_step(compute_s: float, seconds: float, predicted_s: float) -> floa
     return compute_s + max(seconds, bound)
 
 
+#: the options of an ``auto`` config that change what :func:`jaxcomm.policy.choose` decides
+GUARD_OPTIONS = ("margin", "max_ratio", "min_wins")
+
+
+def guard_options(config) -> dict:
+    """The decision's options of a ``compressor.name="auto"`` config (its margin and accuracy
+    guard, e.g. the LM's ``max_ratio``), so the recommendation is the one its training makes;
+    ``{}`` (the defaults) for any other config."""
+    if config.compressor.name != "auto":
+        return {}
+    kwargs = config.compressor.get("kwargs", {})
+    return {k: kwargs[k] for k in GUARD_OPTIONS if k in kwargs}
+
+
 def advise(config, repeats: int = 7) -> dict:
     """Calibration, no-exchange step, each candidate's cost and predicted step, the choice."""
     train.validate(config)
@@ -129,7 +144,8 @@ def advise(config, repeats: int = 7) -> dict:
     # the same samples, round by round: auto's rule (a compressed candidate must beat dense
     # by the margin in most rounds, not in one lucky one)
     rounds = policy.measure(params, mesh, train.AXIS, repeats=repeats, drop=False, rounds=True)
-    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs, rounds=rounds)
+    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs, rounds=rounds,
+                           **guard_options(config))  # fmt: skip
     rows = [
         dict(r._asdict(), predicted_step_s=predicted_step(compute_s, r.seconds, r.predicted_s),
              measured_step_s=compute_s + r.seconds, model_step_s=compute_s + r.predicted_s)

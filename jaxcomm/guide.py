@@ -823,8 +823,8 @@ tx = optax.chain(jaxcomm.auto(params, mesh, "data", warmup_steps=100), optax.ada
 ```
 
 It compiles one small `shard_map` program per candidate
-(`jaxcomm.policy.DEFAULT_CANDIDATES`: dense, bf16 words, PowerSGD rank 2,
-int8 and top-k 1% with error feedback), each drawing a per-worker gradient
+(`jaxcomm.policy.DEFAULT_CANDIDATES`: dense, bf16 words, PowerSGD rank 2
+and 4, int8 and top-k 1% with error feedback), each drawing a per-worker gradient
 shaped like `params` and exchanging it, plus a baseline that exchanges
 nothing; a candidate's cost is its time minus the baseline's (the slowest
 process's, so every process chooses alike), timed in rounds, each in a fresh

@@ -39,3 +39,19 @@ def test_the_recommendation_is_policys_decision_on_the_same_rows(advice):
     assert policy.decide(rows, 0.1) == (advice["choice"], advice["reason"])
     text = advise.render(advice)
     assert "all_reduce" in text and f"recommendation: {advice['choice']}" in text
+
+
+def test_an_auto_configs_guard_decides_the_recommendation():
+    from experiments.configs import lm_shakespeare
+
+    assert advise.guard_options(lm_shakespeare.get_config("auto")) == {"max_ratio": 32}
+    assert advise.guard_options(lm_shakespeare.get_config("dense")) == {}
+    config = digits_mlp.get_config("auto")
+    config.model.kwargs = {"hidden": 32, "depth": 1}
+    config.steps_per_call = 5
+    config.compressor.kwargs = {"max_ratio": 1.5, "warmup_steps": 3}
+    result = advise.advise(config, repeats=1)
+    # every candidate but dense compresses more than 1.5x: the cap leaves dense alone
+    for r in result["rows"]:
+        assert (r["excluded"] == "") == (r["name"] == "dense"), r
+    assert result["choice"] == "dense"

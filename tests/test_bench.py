@@ -104,3 +104,23 @@ def test_accelerator_bench_reads_the_agreement_test_output():
     md = accelerator.report({"platform": "gpu", "device": "X", "jax": "0", "agree": rows})
     assert "| `onebit:bucket` | - | 1.5e-01, 128 flips (xfail) |" in md
     assert "2 cases, 1 passed" in md
+
+
+def test_auto_bench_predicts_from_the_median_of_advises_runs():
+    from experiments.bench import auto
+
+    def run(compute, cost, model):
+        return {"compute_s": compute, "choice": "dense",
+                "rows": [{"name": "dense", "seconds": cost, "predicted_s": model}]}  # fmt: skip
+
+    adv = run(1.0, 0.5, 0.1)
+    adv["repeats"] = [run(3.0, 0.2, 0.4), run(2.0, 0.9, 0.3)]
+    assert auto.advice_parts(adv, "dense") == (2.0, 0.5, 0.3, 3)
+    cell = {"model": "m", "rate": "r", "method": "dense", "step_s": 4.0, "step_runs_s": [2, 5, 3]}
+    results = {"advice": {"m/r": adv}, "cells": [cell]}
+    (row,) = auto.rows_prediction(results)
+    # compute 2.0 + max(cost 0.5, alpha-beta 0.3), against the median step 3
+    assert row["predicted_ms"] == 2500.0 and row["measured_ms"] == 3000.0
+    assert row["advise_runs"] == 3 and row["ratio"] == 2.5 / 3
+    del adv["repeats"]  # one run: its own parts
+    assert auto.advice_parts(adv, "dense") == (1.0, 0.5, 0.1, 1)
