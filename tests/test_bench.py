@@ -124,3 +124,11 @@ def test_auto_bench_predicts_from_the_median_of_advises_runs():
     assert row["advise_runs"] == 3 and row["ratio"] == 2.5 / 3
     del adv["repeats"]  # one run: its own parts
     assert auto.advice_parts(adv, "dense") == (1.0, 0.5, 0.1, 1)
+
+
+def test_accelerator_bench_names_the_gpu_backend_for_jax_platforms():
+    from experiments.bench import accelerator
+
+    assert accelerator.platforms("gpu", "NVIDIA H200") == "cuda,cpu"
+    assert accelerator.platforms("gpu", "AMD Instinct MI300X") == "rocm,cpu"
+    assert accelerator.platforms("tpu", "TPU v5 lite") == "tpu,cpu"

@@ -61,6 +61,17 @@ def parse_agree(text: str) -> list[dict]:
     return sorted(rows.values(), key=lambda r: (r["transform"], r["dtype"]))
 
 
+def platforms(platform: str, device_kind: str) -> str:
+    """``JAX_PLATFORMS`` for the agreement test: the chip's backend and the CPU.
+
+    ``jax.devices()[0].platform`` says ``"gpu"``, which ``JAX_PLATFORMS`` takes
+    as "cuda or rocm" and fails on when one of them is not installed: name it.
+    """
+    if platform == "gpu":
+        platform = "cuda" if "nvidia" in device_kind.lower() else "rocm"
+    return f"{platform},cpu"
+
+
 def _run(cmd: list[str], timeout: int, env: dict | None = None) -> str:
     print("$", " ".join(cmd), flush=True)
     try:
@@ -83,10 +94,13 @@ def main(argv: list[str]) -> None:
         if "agree" in f.parts and results["platform"] == "cpu":
             print("agree: skipped, JAX sees no accelerator (the CPU against itself proves nothing)")
         elif "agree" in f.parts:
-            env = dict(os.environ, JAX_PLATFORMS=f"{results['platform']},cpu")
+            env = dict(os.environ, JAX_PLATFORMS=platforms(results["platform"],
+                                                           results["device"]))  # fmt: skip
             text = _run([py, "-m", "pytest", "tests/test_accelerator.py", "-n", "0", "-s", "-rA",
                          "-q"], f.timeout, env)  # fmt: skip
             results["agree"] = parse_agree(text)
+            if not results["agree"]:  # pytest did not get to run the cases: say why
+                print(text[-3000:], flush=True)
 
         def part(module: str, *args: str) -> dict | None:
             """``python -m module *args --out=...``'s JSON (None if it wrote none)."""
