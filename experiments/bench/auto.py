@@ -90,6 +90,12 @@ def define_flags() -> None:
         "steps are measured over --step_repeats runs (the <= 1.05x rule)",
     )
     flags.DEFINE_integer("step_repeats", 3, "runs of dense and auto on --repeat_rates (median)")
+    flags.DEFINE_list(
+        "redo_repeats",
+        [],
+        "models whose repeated runs (steps, advise) are made "
+        "again, e.g. with another --step_repeats; their cells' own runs are kept",
+    )
     flags.DEFINE_string("out", "experiments/results/auto.json", "JSON written and updated")
     flags.DEFINE_string("workroot", "runs/auto_bench", "workdirs")
     flags.DEFINE_bool("report", False, "only write the tables from --out")
@@ -257,7 +263,8 @@ def main(argv: list[str]) -> None:
 
 
 def repeat_steps(results: dict, model: str, rate: str, save) -> None:
-    """More short runs of dense and auto on ``rate``, alternating: ``step_runs_s`` of each cell.
+    """More runs of dense and auto on ``rate``, alternating: ``step_runs_s`` of each cell
+    (an MLP's as long as its cell's own run: a run's step is the median of its calls).
 
     Between two runs of the same program the step moved by more than 2x on
     these 2 shared cores (the digits MLP's dense step: 0.87 ms on loopback,
@@ -268,9 +275,11 @@ def repeat_steps(results: dict, model: str, rate: str, save) -> None:
     dense, auto = (_cell(results["cells"], model, rate, m) for m in ("dense", "auto"))
     if dense is None or auto is None:
         return
-    _, _, _, per_call = MODELS[model]
-    steps = FLAGS.lm_steps if model == "lm" else 4 * per_call
+    _, _, total, _ = MODELS[model]
+    steps = FLAGS.lm_steps if model == "lm" else total  # as many calls as the cell's own run
     for cell in (dense, auto):
+        if model in FLAGS.redo_repeats:  # the runs after the cell's own, made again
+            cell["step_runs_s"] = [cell["step_s"]]
         cell.setdefault("step_runs_s", [cell["step_s"]])
     while len(auto["step_runs_s"]) < FLAGS.step_repeats:
         rep = len(auto["step_runs_s"])
@@ -296,6 +305,8 @@ def repeat_advice(results: dict, model: str, rate: str, save) -> None:
     its parts are medians over as many runs (:func:`advice_parts`).
     """
     adv = results["advice"][f"{model}/{rate}"]
+    if model in FLAGS.redo_repeats:
+        adv["repeats"] = []
     more = adv.setdefault("repeats", [])
     while 1 + len(more) < FLAGS.step_repeats:
         run = run_advise(model, rate, f"_r{len(more) + 1}")
