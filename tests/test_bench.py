@@ -132,3 +132,14 @@ def test_accelerator_bench_names_the_gpu_backend_for_jax_platforms():
     assert accelerator.platforms("gpu", "NVIDIA H200") == "cuda,cpu"
     assert accelerator.platforms("gpu", "AMD Instinct MI300X") == "rocm,cpu"
     assert accelerator.platforms("tpu", "TPU v5 lite") == "tpu,cpu"
+
+
+def test_auto_bench_times_the_target_at_the_steady_step():
+    from experiments.bench import auto
+
+    # steps to target x the median of the cell's runs, not the training time it logged
+    cell = {"tta_steps": 35, "tta_s": 1.37, "step_s": 0.040, "step_runs_s": [0.030, 0.036, 0.050]}
+    assert auto._steady_tta(cell) == 35 * 0.036
+    assert auto._steady_tta({"tta_steps": None, "tta_s": None, "step_s": 0.04}) is None
+    del cell["step_runs_s"]
+    assert auto._steady_tta(cell) == 35 * 0.040
