@@ -869,6 +869,19 @@ methods side by side on shaped links and checks the predictions against the
 measured median steps (`experiments/results/auto.md`); the training loop
 records each call's seconds (`call_s` in `metrics.jsonl`).
 
+The accuracy guard is yours to set: `auto` picks by time, and a compressor
+that is fast on your link may not reach your model's quality. Error feedback
+is on in every lossy candidate; beyond it, `max_ratio` caps how much a
+candidate may compress. Set it from a quality run of your model (a short
+loopback study is enough): on the LM of `experiments/results/lm_study.md`
+(AdamW) the every-step exchanges that reached dense's target compress at most
+31x (PowerSGD rank 4), and those compressing more missed it (1-bit signs
+32x, sampled top-1% 50x, PowerSGD rank 2 58x), so its `auto` config sets
+`max_ratio=32` and `python -m experiments.advise` applies an `auto`
+config's `margin`, `max_ratio` and `min_wins` to its recommendation. On the
+MLPs, whose SGD runs reached the target with top-k 1% and PowerSGD rank 2,
+no cap is set.
+
 Where a small model's compressed step goes (the step with no exchange, the
 codec, the collectives, the rest) is measured by
 `python -m experiments.bench.step_parts` (`experiments/results/step_parts.md`).
