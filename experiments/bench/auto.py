@@ -372,6 +372,7 @@ def rows_step(results: dict) -> list[dict]:
                           (("dense", dense), ("auto", auto), ("best", best)) if c},
                 "model": model, "rate": rate, "choice": auto["auto"]["choice"],
                 "dense_ms": _step(dense) * 1e3, "auto_ms": _step(auto) * 1e3,
+                "dense_range": _range_ms(dense), "auto_range": _range_ms(auto),
                 "auto_vs_dense": _step(auto) / _step(dense),
                 "runs": len(auto.get("step_runs_s") or [0]),
                 "dense_tta": _steady_tta(dense), "auto_tta": _steady_tta(auto),
@@ -381,6 +382,12 @@ def rows_step(results: dict) -> list[dict]:
                              (("dense", dense), ("auto", auto), ("best", best)) if c},
             })  # fmt: skip
     return out
+
+
+def _range_ms(cell: dict) -> str:
+    """`` (min-max)`` of a cell's repeated runs' steps in ms; ``""`` for one run."""
+    runs_ = cell.get("step_runs_s") or []
+    return f" ({min(runs_) * 1e3:.2f}-{max(runs_) * 1e3:.2f})" if len(runs_) > 1 else ""
 
 
 def _steady_tta(cell: dict) -> float | None:
@@ -516,8 +523,12 @@ def report(results: dict) -> str:
     lines = [
         *(
             [
-                f"Step times where several runs were made (loopback and 1 Gbit/s): the median over "
-                f"{', '.join(map(str, repeated))} runs of dense and of auto, alternating.",
+                f"Step times where several runs were made (loopback and 1 Gbit/s): the median "
+                f"(min-max) over {', '.join(map(str, repeated))} runs of dense and of auto, "
+                "alternating. Where auto chose dense, auto trains dense's program (its "
+                "transform is `jaxcomm.allreduce`, as dense's): their ratio is the spread "
+                "between runs of one program on these 2 shared cores, which on sub-millisecond "
+                "steps is wider than the rule's 5%.",
                 "",
             ]
             if repeated
@@ -533,6 +544,7 @@ def report(results: dict) -> str:
         best = "-" if r["best"] is None else f"{_s(r['best_tta'])} ({r['best']})"
         lm = r["model"] == "lm"
         f, t = r["final"], r["measured"]
+        same = " (the same program)" if r["choice"] == "dense" else ""
         measured = (
             "-"
             if lm
@@ -548,8 +560,9 @@ def report(results: dict) -> str:
             )
         )
         lines.append(
-            f"| {r['model']} | {r['rate']} | {r['choice']} | {r['dense_ms']:.2f} | "
-            f"{r['auto_ms']:.2f} | {r['auto_vs_dense']:.2f}x | "
+            f"| {r['model']} | {r['rate']} | {r['choice']} | "
+            f"{r['dense_ms']:.2f}{r['dense_range']} | "
+            f"{r['auto_ms']:.2f}{r['auto_range']} | {r['auto_vs_dense']:.2f}x{same} | "
             f"{'-' if lm else _s(r['dense_tta'])} | {'-' if lm else _s(r['auto_tta'])} | "
             f"{'-' if lm else best} | {measured} | {finals} |"
         )
