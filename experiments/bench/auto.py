@@ -187,10 +187,9 @@ def run_lm_replay(choice: dict, rate: str, seeds: list[int]) -> list[dict]:
 
 
 def time_to(curve: list[dict], target: float) -> tuple[float | None, int | None]:
-    for r in curve:
-        if r["accuracy"] >= target:
-            return r["train_s"], r["step"]
-    return None, None
+    """``(train_s, step)`` at the first evaluation reaching ``target`` accuracy, or Nones."""
+    i = verdict.first_reach(curve, target, "accuracy", False)
+    return (None, None) if i < 0 else (curve[i]["train_s"], curve[i]["step"])
 
 
 def _dense_step_estimate(results: dict, model: str, rate: str) -> float:
@@ -516,6 +515,13 @@ def _earlier_advice(results: dict) -> list[str]:
     ]
 
 
+def _trio(values: dict, fmt: str) -> str:
+    """``dense / auto / best`` of ``values`` (``-`` where one is missing)."""
+    return " / ".join(
+        "-" if values.get(m) is None else f"{values[m]:{fmt}}" for m in ("dense", "auto", "best")
+    )
+
+
 def report(results: dict) -> str:
     """The markdown tables of the results (README block and ``auto.md``, via studies.tables)."""
     steps = rows_step(results)
@@ -543,22 +549,9 @@ def report(results: dict) -> str:
     for r in steps:
         best = "-" if r["best"] is None else f"{_s(r['best_tta'])} ({r['best']})"
         lm = r["model"] == "lm"
-        f, t = r["final"], r["measured"]
         same = " (the same program)" if r["choice"] == "dense" else ""
-        measured = (
-            "-"
-            if lm
-            else " / ".join(
-                "-" if t.get(m) is None else f"{t[m]:.2f}" for m in ("dense", "auto", "best")
-            )
-        )
-        finals = (
-            "-"
-            if lm
-            else " / ".join(
-                "-" if f.get(m) is None else f"{f[m]:.4f}" for m in ("dense", "auto", "best")
-            )
-        )
+        measured = "-" if lm else _trio(r["measured"], ".2f")
+        finals = "-" if lm else _trio(r["final"], ".4f")
         lines.append(
             f"| {r['model']} | {r['rate']} | {r['choice']} | "
             f"{r['dense_ms']:.2f}{r['dense_range']} | "
