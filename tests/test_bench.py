@@ -143,3 +143,28 @@ def test_auto_bench_times_the_target_at_the_steady_step():
     assert auto._steady_tta({"tta_steps": None, "tta_s": None, "step_s": 0.04}) is None
     del cell["step_runs_s"]
     assert auto._steady_tta(cell) == 35 * 0.040
+
+
+def test_shaped_check_times_each_seed_to_the_target_at_its_step():
+    from experiments.studies import shaped_check
+
+    def run(method, seed, accs, step_s):
+        curve = [{"step": 25 * (i + 1), "accuracy": a, "train_s": 0.1 * (i + 1)}
+                 for i, a in enumerate(accs)]  # fmt: skip
+        return {"method": method, "seed": seed, "curve": curve, "step_s": step_s}
+
+    results = {"target": 0.9, "runs": [
+        run("dense", 0, [0.8, 0.9, 0.95], 0.006), run("dense", 1, [0.8, 0.85, 0.92], 0.006),
+        run("dense", 2, [0.7, 0.91, 0.93], 0.006),
+        run("bf16", 0, [0.9, 0.95, 0.95], 0.002), run("bf16", 1, [0.8, 0.9, 0.95], 0.002),
+        run("bf16", 2, [0.8, 0.8, 0.85], 0.002),  # never reaches: the method is not reached
+    ]}  # fmt: skip
+    rows = shaped_check.rows(results)
+    # dense's seeds reach it at steps 50, 75, 50: 0.3, 0.45, 0.3 s at 6 ms a step (the
+    # training time logged there: 0.2, 0.3, 0.2 s)
+    assert rows["dense"]["tta_s"]["median"] == pytest.approx(0.3)
+    assert rows["dense"]["tta_s"]["max"] == pytest.approx(0.45)
+    assert rows["dense"]["train_s_at_target"]["max"] == pytest.approx(0.3)
+    assert rows["bf16"]["tta_s"]["median"] is None and rows["bf16"]["tta_s"]["reached"] == 2
+    assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95}
+    assert rows["bf16"]["step_ms"]["median"] == pytest.approx(2.0)
