@@ -13,7 +13,7 @@ any object following the :class:`Compressor` protocol. The named methods
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
@@ -69,6 +69,23 @@ class Compressor(Protocol):
 
     def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         """``p - decode(own payload)``, the error-feedback memory update."""
+        ...
+
+    def residual_checked(
+        self,
+        p: jax.Array,
+        e: jax.Array,
+        kept: Callable[[], jax.Array],
+        payload: Payload,
+        aux: Any,
+        ok: jax.Array,
+    ) -> jax.Array:
+        """:meth:`residual` where the bool scalar ``ok`` holds, else the old residual ``e``
+        (``p``'s shape and dtype): the residual is left unchanged on a step where some
+        worker's ``g + e`` was not finite. ``kept()`` returns ``where(ok, p, e)`` formed
+        from ``g`` and ``e``, so that XLA need not write ``p`` out. Default a select over
+        the new residual; sparse codecs subtract what was sent from ``kept()`` (nothing
+        where not ``ok``): one pass over ``d`` fewer."""
         ...
 
     def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
@@ -149,6 +166,17 @@ class CompressorBase:
     def residual(self, p: jax.Array, payload: Payload, aux: Any) -> jax.Array:
         own = payload if self.kind == "psum" else tuple(x[None] for x in payload)
         return p - self.decode(own, aux, p.shape[0], p.dtype)
+
+    def residual_checked(
+        self,
+        p: jax.Array,
+        e: jax.Array,
+        kept: Callable[[], jax.Array],
+        payload: Payload,
+        aux: Any,
+        ok: jax.Array,
+    ) -> jax.Array:
+        return jnp.where(ok, self.residual(p, payload, aux), e)
 
     def decode_mean(self, received: Payload, aux: Any, d: int, dtype: Any, n: int) -> jax.Array:
         total = self.decode(received, aux, d, dtype)

@@ -19,6 +19,7 @@ is NaN on every worker when some worker's ``g + e`` was not finite) and
 updates the residuals, keeping them as they were on such a step.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -216,6 +217,20 @@ def _decode_groups(
         _put_mean(compressor, step, group, mean, rule, outputs)
 
 
+def _kept(step: Step, group: list[int], ok: jax.Array, dtype: Any) -> jax.Array:
+    """The group's ``where(ok, p, e)`` (``p = g + e`` as :func:`jaxcomm.core._add_memory`
+    forms it), bit for bit, written ``where(ok, e - (-g), e)``: an expression of its own,
+    so that XLA fuses it from ``g`` and ``e`` and does not write ``p`` out for it and the
+    encoder to read (``e - (-g)`` is ``g + e`` in IEEE arithmetic; as ``g + e`` it was
+    merged with the encoder's ``p``)."""
+    parts = {}
+    for i in group:
+        e = step.residuals[i].reshape(-1)
+        g = step.grads[i].reshape(-1).astype(e.dtype)
+        parts[i] = jnp.where(ok, e - (-g), e).astype(dtype)
+    return _group_state(parts, group)
+
+
 def _memory(
     compressor: Any, step: Step, state: Any, encoded: list, ok: jax.Array, config: Config
 ) -> Memory:
@@ -237,11 +252,13 @@ def _memory(
                 if len(group) > 1
                 else ps_state[group[0]]
             )
-        res = compressor.residual(vec, payload, aux)
+        old = _group_state({i: residuals[i].astype(vec.dtype) for i in group}, group)
+        # selects, not a lax.cond: a cond copied both branches on XLA:CPU, and its
+        # predicate goes to the host on GPU
+        kept = functools.partial(_kept, step, group, ok, vec.dtype)
+        res = compressor.residual_checked(vec, old, kept, payload, aux, ok)
         for i, sl in _slices(group, ps):
-            r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-            # a select: a lax.cond here was slower on XLA:CPU
-            new_res[i] = jnp.where(ok, r, residuals[i])
+            new_res[i] = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
     nonfinite = state.nonfinite
     if step.groups:
         nonfinite = nonfinite + (~ok).astype(jnp.int32)

@@ -160,6 +160,42 @@ def test_nonfinite_gradient_never_enters_the_residual(bad):
     assert int(ws.notfinite_count) == 1
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxcomm.topk(0.05, axis_name="data", min_size=0),
+        lambda: jaxcomm.threshold(0.05, axis_name="data", min_size=0),
+        lambda: jaxcomm.topk(0.05, axis_name="data", min_size=0, scope="global"),
+        lambda: jaxcomm.randomk(0.05, axis_name="data", key=jax.random.key(0), min_size=0),
+    ],
+    ids=["topk", "threshold", "topk_global", "randomk"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_void_step_keeps_the_residual_bit_for_bit(make, dtype):
+    """On a void step the residual keeps every bit, signed zeros and all: the sparse
+    codecs form it as ``e + where(ok, g, -0.0)`` (a +0.0 there turns -0.0 into +0.0)."""
+    params = {k: v.astype(dtype) for k, v in PARAMS.items()}
+    tx = make()
+    state = H.stack(tx.init(params))
+    _, state = H.shard_map_update(tx, H.per_worker_grads(params, seed=0), state)
+    # signed zeros, subnormals and ordinary values in every worker's residual
+    res = {}
+    for k, r in state.residual.items():
+        r = np.array(r)
+        flat = r.reshape(r.shape[0], -1)
+        flat[:, ::3] = -0.0
+        flat[:, 1::7] = np.float32(1e-40)
+        res[k] = jnp.asarray(flat.reshape(r.shape), r.dtype)
+    state = state._replace(residual=res)
+    bits = {k: np.asarray(v).view(np.uint32) for k, v in res.items()}
+    g = H.per_worker_grads(params, seed=1)
+    g["w"] = g["w"].at[5, 1, 2].set(np.nan)
+    out, state = H.shard_map_update(tx, g, state)
+    assert np.all(np.isnan(np.asarray(out["w"], np.float32)))
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(state.residual[k]).view(np.uint32), bits[k])
+
+
 def test_updates_keep_their_dtype_and_residual_is_float32_for_bf16_params():
     params = {"w": jnp.zeros((64, 32), jnp.bfloat16)}
     tx = jaxcomm.topk(0.1, min_size=0)

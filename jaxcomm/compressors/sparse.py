@@ -39,10 +39,22 @@ class _Sparse(core.CompressorBase):
         vals, idx = payload
         return _scatter_add(d, dtype, idx, vals)
 
+    def _sent(self, payload, aux):
+        """``(values, indices)`` this worker sent."""
+        return payload
+
     def residual(self, p, payload, aux):
-        vals, idx = payload
+        vals, idx = self._sent(payload, aux)
         # p[idx] - p[idx] is exactly 0: sent entries leave nothing behind.
         return p.at[idx].add(-vals)
+
+    def residual_checked(self, p, e, kept, payload, aux, ok):
+        # What was sent, subtracted from kept (one pass over g and e, p not written
+        # out). Where not ok the indices point past the end and are dropped: adding
+        # -0.0 instead would flush subnormal residual entries on XLA:CPU.
+        vals, idx = self._sent(payload, aux)
+        idx = jnp.where(ok, idx, p.shape[0])
+        return kept().at[idx].add(-vals, mode="drop")
 
     def decode_mean(self, received, aux, d, dtype, n):
         vals, idx = received
@@ -226,11 +238,18 @@ class RandomK(_Sparse):
 
     decode_mean = core.CompressorBase.decode_mean  # payload layouts differ from _Sparse's
 
+    def _sent(self, payload, aux):
+        return (payload[0], aux) if self.kind == "psum" else payload
+
     def residual(self, p, payload, aux):
         if self.rescale:
             return core.CompressorBase.residual(self, p, payload, aux)
-        vals, idx = (payload[0], aux) if self.kind == "psum" else payload
-        return p.at[idx].add(-vals)
+        return super().residual(p, payload, aux)
+
+    def residual_checked(self, p, e, kept, payload, aux, ok):
+        if self.rescale:
+            return core.CompressorBase.residual_checked(self, p, e, kept, payload, aux, ok)
+        return super().residual_checked(p, e, kept, payload, aux, ok)
 
     def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
         # Payload only; the 8-byte key agreement is once per step, not per leaf.
