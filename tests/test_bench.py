@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from experiments.bench import compressors as B
+from tests import helpers as H
 
 
 def test_benchmark_repetitions_evolve_the_state():
@@ -68,20 +69,56 @@ def test_floor_bench_times_every_case_against_the_copy_and_reports_its_targets()
     and the report's verdicts follow the measured ratios (a ratio set past a target flips
     its 'met')."""
     from experiments.bench import floor as F
+    from experiments.bench import revision
 
     res = F.run(d=8192, ratio=0.01, reps=1, tree=False)
     names = [r["case"] for r in res["vector"]]
-    want = ["copy"] + [c for c, _, _ in F.VECTOR_CASES]
+    want = ["copy"] + [c for c, _, _ in F.VECTOR_CASES] + [c for c, _, _ in F.KERNELS]
     if F.threshold_fill.threshold_at(F.threshold_fill.BEFORE) is None:
         want.remove("threshold_before")
+    if revision.jaxcomm_at(F.REV) is None:
+        want = [c for c in want if not c.endswith("_rev")]
     assert names == want
     assert F._row(res["vector"], "copy")["time_over_copy"] == 1.0
     assert all(r["step_s"] > 0 for r in res["vector"])
+    results = {"ratio": 0.01, "reps": 1, "rev": F.REV, "before": "x", "layouts": [res]}
     thr = F._row(res["vector"], "threshold")
     thr["time_over_copy"] = 2.5
-    assert "| threshold + EF <= 3x the copy | 2.50x | yes |" in F.report(res)
+    assert "| threshold + EF <= 3x the copy | 2.50x | yes |" in F.report(results)
     thr["time_over_copy"] = 3.5
-    assert "| threshold + EF <= 3x the copy | 3.50x | **no** |" in F.report(res)
+    assert "| threshold + EF <= 3x the copy | 3.50x | **no** |" in F.report(results)
+    assert F.parse_layouts("8x4000000, 2X16") == [(8, 4000000), (2, 16)]
+    for bad in ("8", "8x", "0x5", "ax4"):
+        with pytest.raises(ValueError, match="layouts"):
+            F.parse_layouts(bad)
+
+
+def test_revision_loads_the_library_beside_todays():
+    """experiments.bench.revision: the package at the floor bench's revision imports as a
+    package of its own, and (the change since then kept every bit) its threshold step gives
+    today's update and residual on 8 devices."""
+    from experiments.bench import floor as F
+    from experiments.bench import revision
+
+    old = revision.jaxcomm_at(F.REV)
+    if old is None:
+        pytest.skip("no git history at hand")
+    assert old.__name__ == f"jaxcomm_{F.REV}" and old is not jaxcomm
+    assert old.compressors.sparse.__name__ == f"jaxcomm_{F.REV}.compressors.sparse"
+    params = {"w": jnp.zeros((64, 50))}
+    results = []
+    for lib in (old, jaxcomm):
+        tx = lib.threshold(0.05, axis_name="data", min_size=0)
+        state = H.stack(tx.init(params))
+        for seed in range(3):
+            out, state = H.shard_map_update(tx, H.per_worker_grads(params, seed=seed), state)
+        results.append((np.asarray(out["w"]), np.asarray(state.residual["w"])))
+    (u0, r0), (u1, r1) = results
+    np.testing.assert_array_equal(u0.view(np.uint32), u1.view(np.uint32))
+    np.testing.assert_array_equal(r0.view(np.uint32), r1.view(np.uint32))
+    assert np.count_nonzero(u1) > 0
+    with pytest.raises(ValueError, match="rev"):
+        revision.jaxcomm_at("HEAD; rm")
 
 
 def test_accelerator_bench_reads_the_agreement_test_output():
@@ -168,3 +205,27 @@ def test_shaped_check_times_each_seed_to_the_target_at_its_step():
     assert rows["bf16"]["tta_s"]["median"] is None and rows["bf16"]["tta_s"]["reached"] == 2
     assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95}
     assert rows["bf16"]["step_ms"]["median"] == pytest.approx(2.0)
+
+
+def test_buckets_report_takes_the_median_run():
+    """experiments/bench/buckets.py's table: each cell the median of the runs' ratios with
+    their range, and the verdict on the median (one slow run does not flip it, two do)."""
+    from experiments.bench import buckets
+
+    def run(ratio):
+        tree = {"params": 100, "allreduce_per_leaf": 1.0, "allreduce_bucketed": ratio,
+                "allreduce_bucketed_vs_per_leaf": ratio, "allreduce_bucketed_25mib": 2 * ratio,
+                "allreduce_bucketed_25mib_vs_per_leaf": 2 * ratio}  # fmt: skip
+        return {"mlp": tree, "alpha_fit": {"per_allreduce_s": ratio * 1e-4}}
+
+    results = {"reps": 2, "two_processes_runs": [run(0.9), run(1.3), run(0.8)]}
+    md = buckets.report(results)
+    assert "| mlp (100) | allreduce | 0.90 (0.80–1.30) | 1.80 (1.60–2.60) | yes |" in md
+    assert "(never slower)" in md and "costs 0.090 ms" in md
+    results["two_processes_runs"][2] = run(1.2)
+    assert "| allreduce | 1.20 (0.90–1.30) |" in buckets.report(results)
+    assert "**no**" in buckets.report(results)
+    # one run (older files): the ratio alone
+    assert "| mlp (100) | allreduce | 0.90 | 1.80 | yes |" in buckets.report(
+        {"reps": 2, "two_processes": run(0.9)}
+    )

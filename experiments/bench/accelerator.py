@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
                 return json.load(fh)
 
         if "floor" in f.parts:
-            floor = part("experiments.bench.floor", f"--d={f.floor_d}")
+            floor = part("experiments.bench.floor", f"--layouts=1x{f.floor_d}")
             if floor is not None:
                 results["floor"] = floor
         if "codecs" in f.parts:

@@ -49,6 +49,7 @@ def define_flags() -> None:
     """The command-line flags (only when run as a program: importing defines none)."""
     flags.DEFINE_enum("part", "all", ["all", "devices", "procs"], "which part to run")
     flags.DEFINE_integer("reps", 5, "timed steps per case (median)")
+    flags.DEFINE_integer("runs", 3, "2-process part: runs, each a fresh pair of processes")
     flags.DEFINE_string("out", "experiments/results/buckets.json", "JSON output")
     flags.DEFINE_integer("worker", -1, "internal: process id of a 2-process worker")
     flags.DEFINE_integer("port", 0, "internal: coordinator port")
@@ -337,9 +338,16 @@ def procs_part(reps: int) -> dict:
     return result
 
 
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
 def report(results: dict) -> str:
-    """Markdown: the 2-process part, each transform's bucketed time over its per-leaf time."""
-    two = results["two_processes"]
+    """Markdown: the 2-process part, each transform's bucketed time over its per-leaf time
+    (the median over the runs, and their range)."""
+    runs = results.get("two_processes_runs") or [results["two_processes"]]
+    two = runs[0]
     trees = [t for t, r in two.items() if isinstance(r, dict) and "params" in r]
     first = two[trees[0]]
     default = first.get("default_bucket_bytes", 25 * 2**20) / 2**20
@@ -347,12 +355,16 @@ def report(results: dict) -> str:
     names = [k[: -len("_per_leaf")] for k in first if k.endswith("_per_leaf") and "_vs_" not in k]
     sizes = sorted({int(k.rsplit("_", 1)[1][:-3]) for k in first
                     if k.endswith("mib") and "_bucketed_" in k})  # fmt: skip
+    many = len(runs) > 1
     lines = [
         "Two processes on loopback (gloo, one CPU device each). Each case is one jitted",
         "``shard_map`` update of the transform on a gradient shaped like the tree; its",
         f"least time over {3 * results.get('reps', 5)} interleaved rounds (``3 * --reps``),",
         "over the same transform's time with ``bucket_bytes=None`` (one collective per",
-        'payload array), all in one run. The default is ``bucket_bytes="auto"``:',
+        "payload array), in the same run"
+        + (f"; {len(runs)} runs (``--runs``), each a fresh pair of processes: the median "
+           "ratio, and the runs' range under it." if many else ".")
+        + ' The default is ``bucket_bytes="auto"``:',
         f"on this backend {default:g} MiB for the sums and {gather:g} MiB for the "
         "all-gathers (EF-sign, top-k); 25 MiB for both was the default before.",
         "",
@@ -360,27 +372,36 @@ def report(results: dict) -> str:
         + " | ".join(f"{m} MiB" for m in sizes)
         + " | default ≤ per leaf |",
         "|---|---|---|" + "---|" * len(sizes) + "---|",
-    ]
+    ]  # fmt: skip
+
+    def cell(tree: str, key: str) -> tuple[float, str]:
+        values = [r[tree][key] for r in runs]
+        mid = _median(values)
+        text = f"{mid:.2f}" + (f" ({min(values):.2f}–{max(values):.2f})" if many else "")
+        return mid, text
+
     worst = 0.0
     for t in trees:
-        r = two[t]
         for name in names:
-            ratio = r[f"{name}_bucketed_vs_per_leaf"]
+            ratio, text = cell(t, f"{name}_bucketed_vs_per_leaf")
             worst = max(worst, ratio)
-            cells = [f"{r[f'{name}_bucketed_{m}mib_vs_per_leaf']:.2f}" for m in sizes]
+            cells = [cell(t, f"{name}_bucketed_{m}mib_vs_per_leaf")[1] for m in sizes]
             lines.append(
-                f"| {t} ({r['params']:,}) | {name} | {ratio:.2f} | "
+                f"| {t} ({two[t]['params']:,}) | {name} | {text} | "
                 + " | ".join(cells)
                 + f" | {'yes' if ratio <= 1.0 else '**no**'} |"
             )
     lines += [
         "",
-        f"Worst default bucketed / per leaf: {worst:.2f}"
+        f"Worst default bucketed / per leaf{' (median)' if many else ''}: {worst:.2f}"
         + (" (never slower)." if worst <= 1.0 else " (slower than per leaf)."),
     ]
-    alpha = two.get("alpha_fit", {}).get("per_allreduce_s")
-    if alpha is not None:
-        lines.append(f"One extra 4-byte all-reduce costs {alpha * 1e3:.3f} ms (gloo, loopback).")
+    alphas = [r.get("alpha_fit", {}).get("per_allreduce_s") for r in runs]
+    alphas = [a for a in alphas if a is not None]
+    if alphas:
+        lines.append(
+            f"One extra 4-byte all-reduce costs {_median(alphas) * 1e3:.3f} ms (gloo, loopback)."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -394,7 +415,9 @@ def main(argv):
         with open(FLAGS.out) as f:
             results = json.load(f)
     if FLAGS.part in ("all", "procs"):
-        results["two_processes"] = procs_part(FLAGS.reps)
+        runs = [procs_part(FLAGS.reps) for _ in range(FLAGS.runs)]
+        results["two_processes"] = runs[0]
+        results["two_processes_runs"] = runs
         results["reps"] = FLAGS.reps
     if FLAGS.part in ("all", "devices"):
         results["fake_devices"] = devices_part(FLAGS.reps)

@@ -103,7 +103,7 @@ DOCUMENTS = {
     ),
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
     "buckets": ("buckets.md", "buckets.json", "Bucketed against per-leaf exchange (2 processes)"),
-    "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (8 fake CPU devices)"),
+    "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (fake CPU devices, two layouts)"),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),
