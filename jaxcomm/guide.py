@@ -616,11 +616,15 @@ only when the network is the bottleneck, or with the two-phase exchange;
 the psum-able codecs (`sign_majority`, `terngrad` with a shared scale,
 PowerSGD, shared-index random-k) decode once.
 
-`python -m experiments.bench.floor` times the sparsifiers at 4M entries per
-device the same way in interleaved rounds (exact top-k, threshold with and
-without error feedback, per leaf, and the selection threshold replaced,
-loaded from git) and states the targets they meet
-(`experiments/results/floor.md`).
+`python -m experiments.bench.floor` times the sparsifiers the same way in
+interleaved rounds, in two layouts (8 fake devices x 4M entries, and one
+device per core): exact top-k, threshold with and without error feedback,
+per leaf, the library at an earlier git revision and the selection
+threshold replaced (both loaded from git), and the passes over the
+gradient that any sparsifier's step makes (read g + e to choose, read them
+again for the residual, write the update) as the floor beneath them. It
+states the targets they meet (`experiments/results/floor.md`, where one
+device per core shows how close the threshold step comes to those passes).
 
 ## The threshold selection
 
