@@ -296,12 +296,16 @@ def test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class(d,
     np.testing.assert_array_equal(got_runner[has], runner[has])
     if m < 3 or d < 2 * m:
         return
-    a[2::m] = 0.0  # an all-zero class may report any of its entries
+    a[2::m] = 0.0  # an all-zero class: its first entry, then its second
     a[m] = np.nan  # NaN wins its class
     a[1] = np.inf  # so does Inf
-    got = np.asarray(_strided_best(jnp.asarray(a), m))
-    assert got[2] % m == 2 and 0 <= got[2] < d
+    # subnormals keep their order and rows (a float max flushed them to zero)
+    a[3::m] = np.float32(1e-42)
+    a[3 + m * ((d - 4) // m)] = np.float32(3e-42)  # the class's last row
+    got, runner, _ = (np.asarray(x) for x in _strided_best(jnp.asarray(a), m, second=True))
+    assert got[2] == 2 and runner[2] == 2 + m
     assert got[0] == m and got[1] == 1
+    assert got[3] == 3 + m * ((d - 4) // m) and runner[3] == 3
 
 
 def _structured(kind, seed):

@@ -383,16 +383,16 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     ``d mod m`` entries join blocks ``0..d mod m - 1``.
 
     Non-negative floats order like their bit patterns, so the low ``R`` bits
-    of each pattern (``R`` = bits of the row count) are replaced by
-    ``2^R-1-row`` and a plain float max returns the largest value *and*, in
+    of each uint32 pattern (``R`` = bits of the row count) are replaced by
+    ``2^R-1-row`` and an integer max returns the largest value *and*, in
     its low bits, its row (ties, and values equal in all but the low R
     mantissa bits, go to the first row): exact up to a relative ``2^(R-23)``
     of the block maximum; the value later sent is read from the gradient
     itself, so it is exact. (On XLA:CPU a variadic argmax reduction is much
-    slower than a plain max.) NaN and Inf are mapped to the largest finite float
-    first, so that a non-finite entry wins its block. A block whose maximum
-    is zero or subnormal may report any row (flushed subnormals have no low
-    bits); it is clamped into the array, and the value there is ~0.
+    slower than a plain max, and an integer max is cheaper than a float max,
+    which propagates NaN.) NaN and Inf patterns lie above every finite one,
+    so a non-finite entry wins its block; zeros and subnormals keep their
+    rows (integers are not flushed).
 
     With ``second=True`` the fold also carries each block's runner-up key
     (``lo ← max(min(hi_a, hi_b), lo_a, lo_b)``) and returns ``(best, runner_up,
@@ -404,25 +404,16 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
     n_rows = rows + (1 if rem else 0)
     bits = max(1, n_rows.bit_length())  # row ids 0..n_rows-1 and an unused all-ones
     low = jnp.uint32((1 << bits) - 1)
-    big = jnp.finfo(jnp.float32).max
-    a = jnp.where(a <= big, a, big)  # NaN, Inf -> largest finite
 
     def keys(x, row0):
+        # uint32 keys: non-negative floats order like their bit patterns, NaN and Inf
+        # above every finite value; an integer max is one instruction (a float max
+        # propagates NaN: several), and subnormals are not flushed
         pattern = lax.bitcast_convert_type(x, jnp.uint32)
         r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
-        return lax.bitcast_convert_type((pattern & ~low) | (low - r), jnp.float32)
+        return (pattern & ~low) | (low - r)
 
-    # Fold the rows _FOLD ways at a time (the elementwise max of _FOLD slices of
-    # ceil(r/_FOLD) contiguous rows), log_FOLD(rows) times: every level reads its
-    # input once, is elementwise over contiguous rows and fuses with the key
-    # computation, and writes 1/_FOLD of it (folding in halves wrote half the
-    # input at every level: a gradient's worth of writes over all levels). On
-    # XLA:CPU a reduction over axis 0 (strided or transposed) was slower, and a
-    # concatenate in the folds breaks their fusion (cost against a gradient copy:
-    # python -m experiments.bench.floor). The last slice starts at r - c so that
-    # every slice has c rows; its rows that an earlier slice holds too are masked
-    # out for the runner-up (harmless for the maximum).
-    none = jnp.float32(-jnp.inf)
+    none = jnp.uint32(0)  # below every key: a key holds low - row > 0 in its low bits
 
     def combine(x, y):
         (h1, l1), (h2, l2) = x, y
@@ -453,10 +444,12 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
             parts = paired + parts[len(parts) - len(parts) % 2 :]
         best, lo = parts[0]
         if second:
-            # Both keys travel to the next level as one complex64 array behind a
-            # barrier: as two arrays XLA:CPU computed each level's input twice.
-            z = lax.optimization_barrier(lax.complex(best, lo))
-            best, lo = jnp.real(z), jnp.imag(z)
+            # Both keys travel to the next level as one array behind a barrier: as
+            # two arrays XLA:CPU computed each level's input twice.
+            f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
+            u32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint32)
+            z = lax.optimization_barrier(lax.complex(f32(best), f32(lo)))
+            best, lo = u32(jnp.real(z)), u32(jnp.imag(z))
     if second and lo is None:  # one row: no runner-up
         lo = jnp.full_like(best, none)
     best = best[0]
@@ -470,9 +463,8 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
             lo = jnp.concatenate([jnp.maximum(lo[:rem], jnp.minimum(head, tail)), lo[rem:]])
 
     def rows_of(k):
-        row = low - (lax.bitcast_convert_type(k, jnp.uint32) & low)
-        # A zero/subnormal maximum has no low bits: any row may come out; clamp it in.
-        row = jnp.minimum(row, jnp.uint32(n_rows - 1)).astype(jnp.int32)
+        row = low - (k & low)
+        row = row.astype(jnp.int32)
         idx = row * m + jnp.arange(m, dtype=jnp.int32)
         return jnp.where(idx < d, idx, idx - m)
 
@@ -647,9 +639,7 @@ class Threshold(_Sparse):
         else:
             best, runner, has_runner = _strided_best(a, m, second=True)
             cand = jnp.concatenate([best, runner])
-            # a class whose two largest are zero or flushed subnormals may report one
-            # row for both: its runner-up is then not a second candidate
-            live = jnp.concatenate([jnp.ones((m,), bool), has_runner & (runner != best)])
+            live = jnp.concatenate([jnp.ones((m,), bool), has_runner])
         raw = p[cand]
         mag = jnp.abs(raw).astype(jnp.float32)
         if self.sample_ratio is not None:
