@@ -621,10 +621,9 @@ interleaved rounds, in two layouts (8 fake devices x 4M entries, and one
 device per core): exact top-k, threshold with and without error feedback,
 per leaf, the library at an earlier git revision and the selection
 threshold replaced (both loaded from git), and the passes over the
-gradient that any sparsifier's step makes (read g + e to choose, read them
-again for the residual, write the update) as the floor beneath them. It
-states the targets they meet (`experiments/results/floor.md`, where one
-device per core shows how close the threshold step comes to those passes).
+gradient of such a step without any selection work (read g + e to choose,
+read them again for the residual, write the update). It states the targets
+they meet (`experiments/results/floor.md`).
 
 ## The threshold selection
 
