@@ -413,6 +413,16 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
         r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
         return (pattern & ~low) | (low - r)
 
+    # Fold the rows _FOLD ways at a time (the elementwise max of _FOLD slices of
+    # ceil(r/_FOLD) contiguous rows), log_FOLD(rows) times: every level reads its
+    # input once, is elementwise over contiguous rows and fuses with the key
+    # computation, and writes 1/_FOLD of it (folding in halves wrote half the
+    # input at every level: a gradient's worth of writes over all levels). On
+    # XLA:CPU a reduction over axis 0 (strided or transposed) was slower, and a
+    # concatenate in the folds breaks their fusion (cost against a gradient copy:
+    # python -m experiments.bench.floor). The last slice starts at r - c so that
+    # every slice has c rows; its rows that an earlier slice holds too are masked
+    # out for the runner-up (harmless for the maximum).
     none = jnp.uint32(0)  # below every key: a key holds low - row > 0 in its low bits
 
     def combine(x, y):
@@ -444,8 +454,9 @@ def _strided_best(a: jax.Array, m: int, *, second: bool = False):
             parts = paired + parts[len(parts) - len(parts) % 2 :]
         best, lo = parts[0]
         if second:
-            # Both keys travel to the next level as one array behind a barrier: as
-            # two arrays XLA:CPU computed each level's input twice.
+            # Both keys travel to the next level as the bits of one complex64 array
+            # behind a barrier (moved, not computed on: nothing is flushed): as two
+            # arrays XLA:CPU computed each level's input twice, stacked it was slower.
             f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
             u32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint32)
             z = lax.optimization_barrier(lax.complex(f32(best), f32(lo)))
