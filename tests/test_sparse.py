@@ -494,3 +494,41 @@ def test_threshold_sends_each_index_once_on_subnormal_gradients():
     (vals, idx), _ = jax.jit(lambda x: comp.encode(x, None))(jnp.asarray(p))
     live = np.asarray(idx)[np.asarray(vals) != 0]
     assert live.size == np.unique(live).size
+
+
+@pytest.mark.parametrize("case", ["ties", "threshold_binds", "too_few", "nan"])
+def test_top_slots_are_the_k_largest_reaching_the_sample_threshold(case):
+    """Threshold's selection against NumPy: the k largest keys (ties to the first positions,
+    as lax.top_k) among those at or above the sample's kept-th largest; empty slots marked
+    and pointing at position 0."""
+    from jaxcomm.compressors.sparse import _top_slots
+
+    rng = np.random.default_rng(["ties", "threshold_binds", "too_few", "nan"].index(case))
+    n, k, kept = 500, 60, 20
+    keys = rng.integers(1, 40, size=n).astype(np.uint32)  # many ties
+    sample = rng.integers(1, 40, size=200).astype(np.uint32)
+    if case == "threshold_binds":
+        sample[:kept] = 38  # the sample's kept-th largest is 38: fewer than k reach it
+    if case == "too_few":
+        keys[rng.permutation(n)[: n - 30]] = 0
+        sample[:] = 1  # 30 keys reach it: 30 slots stay empty
+    if case == "nan":
+        keys[[7, 300]] = np.float32(np.nan).view(np.uint32)
+    ts = np.sort(sample)[::-1][kept - 1]
+    order = sorted(range(n), key=lambda i: (-int(keys[i]), i))
+    want = sorted([i for i in order if keys[i] >= ts][:k])
+    pos, filled = (
+        np.asarray(x) for x in _top_slots(jnp.asarray(keys), k, jnp.asarray(sample), kept)
+    )
+    # the entries above the boundary T first, then the ties at it, each in position order
+    t = max(ts, np.sort(keys)[::-1][k - 1])
+    assert pos.shape == (k,)
+    assert list(pos[filled]) == [i for i in want if keys[i] > t] + [i for i in want if keys[i] == t]
+    assert not pos[~filled].any() and filled.sum() == len(want)
+    if case in ("threshold_binds", "too_few"):
+        assert len(want) < k
+    if case == "nan":
+        assert {7, 300} <= set(want)
+    # without a sample: the plain k largest
+    pos, filled = (np.asarray(x) for x in _top_slots(jnp.asarray(keys), k))
+    assert filled.all() and sorted(pos) == sorted(order[:k])

@@ -578,6 +578,39 @@ def _period(k: int, d: int) -> int:
     return best
 
 
+def _top_slots(keys: jax.Array, k: int, sample: jax.Array | None = None, kept: int = 1):
+    """``(positions, filled)``: the positions of the ``k`` largest of the uint32 ``keys``
+    (bit patterns of magnitudes) that reach the ``kept``-th largest of ``sample`` (if
+    given), ties at the boundary to the first positions (as ``lax.top_k`` breaks them):
+    those above the boundary first, then the ties, each in position order; and which of
+    the ``k`` slots hold one (an empty slot says position 0). One 32-round bisection
+    loop finds both thresholds (as :func:`kth_largest`); two cumulative sums and one
+    scatter compact the chosen."""
+    n = keys.shape[0]
+    zero = keys[0] & jnp.uint32(0)
+    top = zero | jnp.uint32(0xFFFFFFFF)
+    s = keys if sample is None else sample
+
+    def halve(_, c):
+        lo1, hi1, lo2, hi2 = c
+        m1, m2 = lo1 + (hi1 - lo1) // 2, lo2 + (hi2 - lo2) // 2
+        e1 = jnp.sum(keys >= m1, dtype=jnp.int32) >= k
+        e2 = jnp.sum(s >= m2, dtype=jnp.int32) >= kept
+        return (jnp.where(e1, m1, lo1), jnp.where(e1, hi1, m1),
+                jnp.where(e2, m2, lo2), jnp.where(e2, hi2, m2))  # fmt: skip
+
+    tk, _, ts, _ = lax.fori_loop(0, 32, halve, (zero, top, zero, top))
+    t = tk if sample is None else jnp.maximum(tk, ts)
+    above, tie = keys > t, keys == t
+    n_above = jnp.cumsum(above, dtype=jnp.int32)
+    n_tie = jnp.cumsum(tie, dtype=jnp.int32)
+    pos = jnp.where(above, n_above - 1, jnp.where(tie, n_above[-1] + n_tie - 1, k))
+    pos = jnp.minimum(pos, k)
+    slot = jnp.full((k + 1,), n, jnp.int32).at[pos].set(jnp.arange(n, dtype=jnp.int32))[:k]
+    filled = slot < n
+    return jnp.where(filled, slot, 0), filled
+
+
 class ThresholdState(core.CompressState):
     """State of the Threshold transform: the fields of :class:`jaxcomm.core.CompressState`.
 
@@ -600,16 +633,19 @@ class Threshold(_Sparse):
     class loses only its third and later entries of the true top-k.
 
     If ``sample_ratio`` is set, a threshold is computed (exactly, without a
-    sort: :func:`kth_largest`) as the ``ceil(1.25·ratio·n)``-th largest
+    sort: a bisection over the bit patterns) as the ``ceil(1.25·ratio·n)``-th largest
     magnitude of the sample ``|p[::s]|`` of ``n`` entries, ``s`` the smallest
     prime ``>= round(1/sample_ratio)`` (a prime stride does not alias with
     common row lengths), lowered to the largest prime ``<= k // 32`` (1 if
     none) when the sample would otherwise keep fewer than 32 entries, primes
     dividing ``d`` skipped (then the stride is coprime with every row
     length); candidates below it are not sent. The ``k`` largest candidates
-    that remain fill the slots (``lax.top_k`` over ``2m`` entries, as DGC
-    re-selects among the entries above its sampled threshold); a slot left
-    over carries value 0. What is not sent stays in the residual.
+    that remain fill the slots, as DGC re-selects among the entries above its
+    sampled threshold (:func:`_top_slots`: the k-th largest candidate is found
+    in the same bisection loop as the threshold, and the candidates at or
+    above both are compacted, ties at the boundary to the first; on XLA:CPU
+    cheaper than ``lax.top_k`` over the ``2m`` candidates);
+    a slot left over carries value 0. What is not sent stays in the residual.
     :meth:`slots_used` counts the slots that carry an entry.
     """
 
@@ -653,22 +689,20 @@ class Threshold(_Sparse):
             live = jnp.concatenate([jnp.ones((m,), bool), has_runner])
         raw = p[cand]
         mag = jnp.abs(raw).astype(jnp.float32)
+        keys = lax.bitcast_convert_type(mag, jnp.uint32)
+        if live is not None:
+            keys = jnp.where(live, keys, jnp.uint32(0))
+        sample, kept = None, 1
         if self.sample_ratio is not None:
-            sample = a[:: self._stride(d)]
+            sample = lax.bitcast_convert_type(a[:: self._stride(d)], jnp.uint32)
             kept = min(
                 sample.shape[0],
                 math.ceil(_SAMPLE_SLACK * core.num_kept(self.ratio, sample.shape[0])),
             )
-            thr = kth_largest(sample, kept)
-            # "not below" rather than ">=": a NaN threshold or value is sent, not hidden
-            keep = ~(mag < thr)
-            live = keep if live is None else live & keep
-        # lax.top_k ranks NaN above every number: a non-finite candidate is sent
-        score = mag if live is None else jnp.where(live, mag, -1.0)
-        top, j = lax.top_k(score, k)
+        j, filled = _top_slots(keys, k, sample, kept)
         idx = cand[j]
-        # a dead slot sends 0 at an index another slot may hold: adding 0 is harmless
-        vals = jnp.where(~(top < 0), raw[j], jnp.zeros((), p.dtype)) if live is not None else raw[j]
+        ok = filled if live is None else filled & live[j]
+        vals = jnp.where(ok, raw[j], jnp.zeros((), p.dtype))
         return (vals, idx), raw
 
     decode_mean_checked = _decode_mean_checked
