@@ -632,19 +632,19 @@ over 4k candidates instead of all d entries. The entries fall into m classes
 p[j], p[j+m], p[j+2m], …, m a prime >= 2k; folding the (d/m, m) view, 8 row
 slices a level, gives each class's largest and runner-up, and the k largest
 of these 2m candidates that reach a sampled threshold are sent (k slots,
-top-k's wire). The threshold is a sort-free exact k-th largest of a prime-
-stride sample (about 1%, made denser where fewer than 32 sampled entries
-would reach it), set at 1.25× the sample's top-ratio count so that it rarely
-cuts into the true top-k. The k-th largest candidate is found in the same
-bisection loop over bit patterns, and the candidates at or above both are
-compacted into the slots: no sort and no `lax.top_k` anywhere. A prime
-period spreads mass held in a few rows or columns of a matrix over distinct
-classes; a class loses only its third and later entries of the true top-k
-(about 1.6% of them on i.i.d. entries). m is chosen for d when the update is
-traced: of the 17 smallest primes >= 2k not dividing d, the one whose worst
-band of adjacent columns, over every view of the leaf as rows, keeps the
-most among the candidates. The choice is deterministic (every worker picks
-the same m). What is not sent waits in the residual.
+top-k's wire). The threshold is a sort-free exact k-th largest of a
+prime-stride sample (about 1%, made denser where fewer than 32 sampled
+entries would reach it), set at 1.25× the sample's top-ratio count so that
+it rarely cuts into the true top-k. The k-th largest candidate is found in
+the same bisection loop over bit patterns, and the candidates at or above
+both are compacted into the slots: no sort and no `lax.top_k` anywhere. A
+prime period spreads mass held in a few rows or columns of a matrix over
+distinct classes; a class loses only its third and later entries of the true
+top-k (about 1.6% of them on i.i.d. entries). m is chosen for d when the
+update is traced: of the 17 smallest primes >= 2k not dividing d, the one
+whose worst band of adjacent columns, over every view of the leaf as rows,
+keeps the most among the candidates. The choice is deterministic (every
+worker picks the same m). What is not sent waits in the residual.
 `jaxcomm.compressors.sparse.threshold_usage(grads, state.residual,
 ratio=...)` returns the slots a step fills per leaf; `experiments.bench.threshold_fill`
 measures the share of the true top-k sent (`results/threshold_fill.json`).
