@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -326,27 +327,40 @@ def randomk(
     )
 
 
-def kth_largest(a: jax.Array, k: int) -> jax.Array:
-    """The k-th largest entry of non-negative float32 ``a`` (1-D), without sorting.
+def _kth_patterns(pairs: Sequence[tuple[jax.Array, int]]) -> list[jax.Array]:
+    """For each ``(bits, k)``: the k-th largest of the uint32 array ``bits`` (1-D).
 
-    Bisection over the uint32 bit patterns (which order like the floats):
-    32 rounds of "how many entries reach t?", each one compare-and-count
-    pass over ``a``. Exact, and cheaper than ``lax.top_k``/``sort`` on
-    XLA:CPU for the sample sizes used here.
+    Bisection over the patterns: 32 rounds of "how many entries reach t?", each
+    one compare-and-count pass over every array, all arrays in one loop.
     """
-    bits = lax.bitcast_convert_type(a, jnp.uint32)
 
     def halve(_, lohi):
-        lo, hi = lohi  # invariant: count(bits >= lo) >= k > count(bits >= hi)
-        mid = lo + (hi - lo) // 2
-        enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+        out = []
+        # invariant: count(bits >= lo) >= k > count(bits >= hi)
+        for (bits, k), (lo, hi) in zip(pairs, lohi):
+            mid = lo + (hi - lo) // 2
+            enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= k
+            out.append((jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)))
+        return out
 
     # A loop, not 32 unrolled rounds: unrolled, XLA:CPU's fusion under vmap
     # took minutes to compile. The carry starts from the data so that it has
     # the data's shard_map type (varying or not).
-    zero = bits[0] & jnp.uint32(0)
-    lo, _ = lax.fori_loop(0, 32, halve, (zero, zero | jnp.uint32(0xFFFFFFFF)))
+    start = []
+    for bits, _ in pairs:
+        zero = bits[0] & jnp.uint32(0)
+        start.append((zero, zero | jnp.uint32(0xFFFFFFFF)))
+    return [lo for lo, _ in lax.fori_loop(0, 32, halve, start)]
+
+
+def kth_largest(a: jax.Array, k: int) -> jax.Array:
+    """The k-th largest entry of non-negative float32 ``a`` (1-D), without sorting.
+
+    Bisection over the uint32 bit patterns (which order like the floats):
+    :func:`_kth_patterns`. Exact, and cheaper than ``lax.top_k``/``sort`` on
+    XLA:CPU for the sample sizes used here.
+    """
+    (lo,) = _kth_patterns([(lax.bitcast_convert_type(a, jnp.uint32), k)])
     return lax.bitcast_convert_type(lo, jnp.float32)
 
 
@@ -583,24 +597,13 @@ def _top_slots(keys: jax.Array, k: int, sample: jax.Array | None = None, kept: i
     (bit patterns of magnitudes) that reach the ``kept``-th largest of ``sample`` (if
     given), ties at the boundary to the first positions (as ``lax.top_k`` breaks them):
     those above the boundary first, then the ties, each in position order; and which of
-    the ``k`` slots hold one (an empty slot says position 0). One 32-round bisection
-    loop finds both thresholds (as :func:`kth_largest`); two cumulative sums and one
-    scatter compact the chosen."""
+    the ``k`` slots hold one (an empty slot says position 0). One bisection loop finds
+    both thresholds (:func:`_kth_patterns`); two cumulative sums and one scatter compact
+    the chosen."""
     n = keys.shape[0]
-    zero = keys[0] & jnp.uint32(0)
-    top = zero | jnp.uint32(0xFFFFFFFF)
-    s = keys if sample is None else sample
-
-    def halve(_, c):
-        lo1, hi1, lo2, hi2 = c
-        m1, m2 = lo1 + (hi1 - lo1) // 2, lo2 + (hi2 - lo2) // 2
-        e1 = jnp.sum(keys >= m1, dtype=jnp.int32) >= k
-        e2 = jnp.sum(s >= m2, dtype=jnp.int32) >= kept
-        return (jnp.where(e1, m1, lo1), jnp.where(e1, hi1, m1),
-                jnp.where(e2, m2, lo2), jnp.where(e2, hi2, m2))  # fmt: skip
-
-    tk, _, ts, _ = lax.fori_loop(0, 32, halve, (zero, top, zero, top))
-    t = tk if sample is None else jnp.maximum(tk, ts)
+    t, *ts = _kth_patterns([(keys, k)] + ([] if sample is None else [(sample, kept)]))
+    if ts:
+        t = jnp.maximum(t, ts[0])
     above, tie = keys > t, keys == t
     n_above = jnp.cumsum(above, dtype=jnp.int32)
     n_tie = jnp.cumsum(tie, dtype=jnp.int32)
