@@ -72,11 +72,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_count_flags(xla_flags: str, devices: int) -> str:
+    """``xla_flags`` (the ``XLA_FLAGS`` value) with ``devices`` fake CPU devices, any
+    earlier count replaced."""
+    xla = re.sub(r"--xla_force_host_platform_device_count=\S+", "", xla_flags)
+    return f"{xla.strip()} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def process_env(base: dict, i: int, n: int, devices: int, coordinator: str) -> dict:
     """Environment of process ``i``: fake devices, CPU platform, the three jax.distributed vars."""
     env = dict(base)
-    xla = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{xla.strip()} --xla_force_host_platform_device_count={devices}".strip()
+    env["XLA_FLAGS"] = device_count_flags(env.get("XLA_FLAGS", ""), devices)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["JAX_COORDINATOR_ADDRESS"] = coordinator
     env["JAX_NUM_PROCESSES"] = str(n)

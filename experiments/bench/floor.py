@@ -73,6 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from experiments import launch
 from experiments.bench import compressors, revision, threshold_fill, timing
 from experiments.studies import runs
 
@@ -240,11 +241,8 @@ def _run_layout(n: int, d: int, tree: bool) -> dict:
     f = flags.FLAGS
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "part.json")
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(
-            [x for x in env.get("XLA_FLAGS", "").split() if "device_count" not in x]
-            + [f"--xla_force_host_platform_device_count={n}"]
-        )
+        xla = launch.device_count_flags(os.environ.get("XLA_FLAGS", ""), n)
+        env = dict(os.environ, XLA_FLAGS=xla)
         subprocess.run(
             [sys.executable, "-m", "experiments.bench.floor", f"--part={part}",
              f"--layouts={n}x{d}", f"--ratio={f.ratio}", f"--reps={f.reps}", f"--tree={tree}",
