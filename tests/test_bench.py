@@ -203,7 +203,8 @@ def test_shaped_check_times_each_seed_to_the_target_at_its_step():
     assert rows["dense"]["tta_s"]["max"] == pytest.approx(0.45)
     assert rows["dense"]["train_s_at_target"]["max"] == pytest.approx(0.3)
     assert rows["bf16"]["tta_s"]["median"] is None and rows["bf16"]["tta_s"]["reached"] == 2
-    assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95}
+    # dense's finals 0.95, 0.92, 0.93: bf16's median 0.95 is within the band of their 0.93
+    assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95, "within_band": True}
     assert rows["bf16"]["step_ms"]["median"] == pytest.approx(2.0)
 
 

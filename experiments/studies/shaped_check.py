@@ -65,8 +65,10 @@ def run(method: str, seed: int) -> dict:
 
 
 def rows(results: dict) -> dict:
-    """Per method: step (ms), time to target at the step and logged, final accuracy."""
+    """Per method: step (ms), time to target at the step and logged, final accuracy (and
+    whether its median is within the quality band of dense's)."""
     target = results["target"]
+    dense_finals = [r["curve"][-1]["accuracy"] for r in results["runs"] if r["method"] == "dense"]
     out = {}
     for method in dict.fromkeys(r["method"] for r in results["runs"]):
         mine = [r for r in results["runs"] if r["method"] == method]
@@ -79,8 +81,7 @@ def rows(results: dict) -> dict:
             "step_ms": verdict.summarize([r["step_s"] * 1e3 for r in mine]),
             "tta_s": verdict.summarize(steady),
             "train_s_at_target": verdict.summarize(logged),
-            "final": {"median": statistics.median(finals), "min": min(finals),
-                      "max": max(finals)},
+            "final": verdict.quality(finals, dense_finals, lower_is_better=False),
             "choices": sorted({r["auto_choice"] for r in mine if "auto_choice" in r}),
         }  # fmt: skip
     return out
