@@ -20,8 +20,8 @@ def test_benchmark_repetitions_evolve_the_state():
     params = {"g": jax.ShapeDtypeStruct((d,), jnp.float32)}
     g = np.asarray(jax.random.normal(jax.random.key(0), (n, d), jnp.float32))
     grads = jax.device_put({"g": g}, NamedSharding(mesh, P(B.AXIS)))
-    step, state = B._sharded_update(tx, params, mesh)
-    fn = B._Evolving(step, grads, state)
+    step, state = B.sharded_update(tx, params, mesh)
+    fn = B.Evolving(step, grads, state)
     for _ in range(3):
         fn()
     assert np.all(np.asarray(fn.state.count) == 3)

@@ -131,7 +131,7 @@ def define_flags() -> None:
     flags.DEFINE_integer("gpt2_layers", 12, "blocks in the --tree gpt2 stack (7.1M params each)")
 
 
-def _sharded_update(tx, params, mesh):
+def sharded_update(tx, params, mesh):
     """(jitted shard_map'd ``tx.update``, per-worker initial state placed on the mesh)."""
     n = mesh.size
     state = jax.device_put(
@@ -152,7 +152,7 @@ def _sharded_update(tx, params, mesh):
     return step, state
 
 
-class _Evolving:
+class Evolving:
     """``step(grads, state)`` as a no-argument call that carries the state along.
 
     Each call feeds the state the previous call returned, so the timed
@@ -219,8 +219,8 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     for name in names:
         tx = CASES[name](ratio)
         g_in, p_in = (grads_m, params_m) if name in MATRIX_CASES else (grads, params)
-        step, state = _sharded_update(tx, p_in, mesh)
-        r = _median_ratio(_Evolving(step, g_in, state), lambda: copy(grads["g"]), reps)
+        step, state = sharded_update(tx, p_in, mesh)
+        r = _median_ratio(Evolving(step, g_in, state), lambda: copy(grads["g"]), reps)
         report = jaxcomm.accounting.wire_report(tx, p_in, n)
         payload = sum(c.nbytes for c in report)
         traffic = jaxcomm.accounting.traffic_bytes(report, n)
@@ -337,8 +337,8 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
     rows = []
     for name in names:
         tx = CASES[name](ratio)
-        step, state = _sharded_update(tx, params, mesh)
-        r = _median_ratio(_Evolving(step, grads, state), lambda: copy(grads), reps)
+        step, state = sharded_update(tx, params, mesh)
+        r = _median_ratio(Evolving(step, grads, state), lambda: copy(grads), reps)
         del state
         report = jaxcomm.accounting.wire_report(tx, params, n)
         payload = sum(c.nbytes for c in report)

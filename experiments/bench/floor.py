@@ -191,8 +191,8 @@ def measure(
         if tx is None:
             print(f"{name}: left out (no git history to load the old code from)")
             continue
-        step, state = compressors._sharded_update(tx, params, mesh)
-        calls[name] = compressors._Evolving(step, grads, state)
+        step, state = compressors.sharded_update(tx, params, mesh)
+        calls[name] = compressors.Evolving(step, grads, state)
         what[name] = text.replace("--rev", f"`{rev}`")
     if kernels:
         residual = jax.device_put(jax.tree.map(lambda x: 0.1 * x[::-1], draws), sh)
