@@ -622,8 +622,9 @@ device per core): exact top-k, threshold with and without error feedback,
 per leaf, the library at an earlier git revision and the selection
 threshold replaced (both loaded from git), and the passes over the
 gradient of such a step without any selection work (read g + e to choose,
-read them again for the residual, write the update). It states the targets
-they meet (`experiments/results/floor.md`).
+read them again for the residual, write the update), and the same in the
+order with fewer bytes (write p = g + e, read it back to choose, write the
+update). It states the targets they meet (`experiments/results/floor.md`).
 
 ## The threshold selection
 
