@@ -1,6 +1,7 @@
 """Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
 import os
+import platform
 
 # The suite is dominated by XLA:CPU compiles of small programs; LLVM's optimisation of
 # the generated code is most of each compile and buys nothing at these sizes (the HLO,
@@ -16,6 +17,23 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # JAX_PLATFORMS=cuda,cpu (or tpu,cpu) runs tests/test_accelerator.py on an accelerator
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _x86_with_avx2() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return platform.machine() == "x86_64" and " avx2" in f.read()
+    except OSError:
+        return False
+
+
+# On the CPU, XLA hands LAPACK calls (jnp.linalg.qr: PowerSGD above rank 2) to the
+# OpenBLAS that scipy ships, which picks its kernels for the CPU when it loads: an
+# AVX-512 machine's QR differs from an AVX2 machine's in the last bits, and
+# tests/test_golden.py holds bits. Wherever the CPU has AVX2, the tests use OpenBLAS's
+# AVX2 kernels (set before anything loads OpenBLAS).
+if _x86_with_avx2():
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
 import jax  # noqa: E402
 

@@ -7,6 +7,10 @@ the new state (each leaf: dtype, shape, bytes) of three steps on 8 workers
 redesign (one pipeline with exchange strategies), so a refactor that changes
 any bit of any transform fails here.
 
+PowerSGD above rank 2 orthogonalises with LAPACK's QR, whose last bits depend on the
+kernels OpenBLAS picks for the CPU; ``tests/conftest.py`` pins its AVX2 kernels, with
+which these digests were written.
+
 Regenerate only when a change of numbers is intended, and say so in the commit:
   JAXCOMM_REGEN_GOLDEN=1 pytest tests/test_golden.py -n 0
 """
