@@ -422,7 +422,9 @@ def dgc(
     Non-finite gradients: if a worker's (clipped) gradient holds NaN/Inf, its
     u and v are left unchanged that step (``state.nonfinite`` counts it) and
     it sends NaN values, so the NaN reaches every worker's output; wrap the
-    chain in ``optax.apply_if_finite`` to skip such steps.
+    chain in :func:`jaxcomm.skip_nonfinite` to skip such steps (not
+    ``optax.apply_if_finite``, which decides per worker before the exchange:
+    a worker that skips leaves the others waiting in the collective).
 
     Example:
       >>> tx = optax.chain(

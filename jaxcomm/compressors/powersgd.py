@@ -299,7 +299,9 @@ def powersgd(
     Non-finite gradients: P is shared, so a NaN/Inf on any worker reaches
     every worker. On such a step every compressed leaf's output is NaN, and
     all workers leave ``q`` and ``residual`` unchanged (``state.nonfinite``
-    counts the step); wrap the chain in ``optax.apply_if_finite`` to skip it.
+    counts the step); wrap the chain in :func:`jaxcomm.skip_nonfinite` to skip
+    it (not ``optax.apply_if_finite``, which decides per worker before the
+    exchange: a worker that skips leaves the others waiting in the collective).
     Integer or bool leaves raise ``TypeError``.
 
     Example:
