@@ -95,6 +95,14 @@ def check_axis_name(axis_name: Any) -> AxisName | None:
     )
 
 
+class UnboundAxisError(ValueError):
+    """A transform's ``axis_name`` is not an axis bound where its update runs."""
+
+    def __init__(self, message: str, axis_name: AxisName):
+        super().__init__(message)
+        self.axis_name = axis_name
+
+
 def axis_size(axis_name: AxisName) -> int:
     """Number of workers on ``axis_name``; a clear error if the axis is not bound."""
     ledger = current_ledger()
@@ -103,12 +111,13 @@ def axis_size(axis_name: AxisName) -> int:
     try:
         return lax.axis_size(axis_name)
     except NameError as e:
-        raise ValueError(
+        raise UnboundAxisError(
             f"axis_name={axis_name!r} is not bound here. Call the update inside "
             f"jax.shard_map(..., mesh=mesh) whose mesh has axis {axis_name!r}, or inside "
             f"jax.pmap(..., axis_name={axis_name!r}) / jax.vmap(..., axis_name={axis_name!r}); "
             f"or build the transform with axis_name=None to compress locally without "
-            f"communicating. ({e})"
+            f"communicating. ({e})",
+            axis_name,
         ) from None
 
 

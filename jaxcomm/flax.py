@@ -4,24 +4,45 @@ A plain optax loop and a linen ``TrainState`` loop use
 :func:`jaxcomm.data_parallel` directly (a ``TrainState`` is a pytree). An nnx
 loop mutates its model, optimizer and metrics in place; this module makes
 such a step data-parallel. The change to the official Flax nnx MNIST
-example is four lines:
+example (``examples/mnist``: a CNN with BatchNorm and Dropout) is six lines:
 
+    import jaxcomm.flax                                                    # + the library
     mesh = jax.make_mesh((8,), ("data",))                                  # + the workers
-    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.adamw(lr, momentum))  # ~
+    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(lr, momentum))  # ~
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     jaxcomm.flax.init_optimizer(optimizer, mesh)                           # + worker axis
 
     @jaxcomm.flax.data_parallel(mesh)                                      # ~ was @nnx.jit
-    def train_step(model, optimizer, metrics, batch):  # unchanged
+    def train_step(model, optimizer, metrics, batch, rngs):  # unchanged
         ...
 
+    with jax.set_mesh(mesh):                                               # + around the loop
+        ...
+
+(``jax.make_mesh`` makes Explicit axes, for which eager code after the step,
+such as ``metrics.reset()``, needs the mesh set: the step says so if it is
+not; a mesh with ``axis_types=(jax.sharding.AxisType.Auto,)`` needs no
+``jax.set_mesh``.)
+
 The rules are :mod:`jaxcomm.parallel`'s, for the state of the nnx objects
-among the step's arguments: the jaxcomm part of an optimizer's state is per
-worker (a leading worker axis, added by :func:`init_optimizer`), the batch
-(the last argument by default) is split over workers, everything else is
-replicated. The floating-point state of ``nnx.Metric`` objects (sums,
-averages) is averaged over workers after the step, so metrics describe the
-global batch (integer counters, equal on every worker, are kept).
+among the step's arguments:
+
+* the jaxcomm part of an optimizer's state is per worker (a leading worker
+  axis, added by :func:`init_optimizer`);
+* the batch is found among the arguments that are not nnx objects (or named
+  by ``batch_argnums``) and split over workers;
+* ``nnx.BatchStat`` variables (BatchNorm's running statistics) are averaged
+  over workers after each step (``batch_stats="per_worker"`` keeps them per
+  worker, laid out by :func:`init_per_worker`);
+* the keys of ``nnx.Rngs`` (and every PRNG key handed to the step) are folded
+  with the worker index inside the step, so each worker draws its own
+  dropout masks; the keys come back unchanged (the stream counters advance
+  as on one device), so a run is reproducible from its seed;
+* ``nnx.metrics.Average`` (and ``Accuracy``) sum their totals and counts over
+  workers, so they describe the global batch; other ``nnx.Metric`` state
+  averages its floating leaves;
+* everything else is replicated, and checked to be: a value computed from
+  the batch without an exchange is an error before the step runs.
 """
 
 from __future__ import annotations
@@ -33,12 +54,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import graph
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 from jaxcomm import parallel
 
-__all__ = ["data_parallel", "init_optimizer"]
+__all__ = ["data_parallel", "init_optimizer", "init_per_worker"]
 
 
 def _is_var(x) -> bool:
@@ -56,27 +76,73 @@ def _worker_variables(nodes) -> set[int]:
     return ids
 
 
+def _variables(nodes, kind) -> dict[int, tuple[str, nnx.Variable]]:
+    """id -> (path, Variable) for the Variables of type ``kind`` reachable from ``nodes``."""
+    found = {}
+    for path, node in nnx.iter_graph(nodes):
+        if isinstance(node, kind):
+            found[id(node)] = ("".join(f".{p}" if isinstance(p, str) else f"[{p}]"
+                                       for p in path), node)  # fmt: skip
+    return found
+
+
+def _lay_out(variables, mesh, axis_name) -> None:
+    for var in variables:
+        var.set_value(parallel.per_worker(var.get_value(), mesh, axis_name=axis_name))
+
+
 def init_optimizer(optimizer: nnx.Optimizer, mesh: Mesh, *, axis_name: str = "data") -> None:
     """Give the jaxcomm part of ``optimizer``'s state a leading worker axis, in place.
 
     Call once after building ``nnx.Optimizer(model, tx, ...)``; a checkpoint
     restored into an optimizer laid out this way keeps the layout.
     """
-    n = parallel.axis_size(mesh, axis_name)
+    parallel.axis_size(mesh, axis_name)
     parallel.state_mask(optimizer.opt_state)  # raises for local_sgd / diloco
-    for var in (v for v in jax.tree.leaves(optimizer.opt_state, is_leaf=_is_var) if _is_var(v)):
-        if id(var) in _worker_variables(optimizer):
-            x = var.get_value()
-            x = jnp.broadcast_to(x, (n, *jnp.shape(x)))
-            var.set_value(jax.device_put(x, NamedSharding(mesh, P(axis_name))))
+    ids = _worker_variables(optimizer)
+    leaves = jax.tree.leaves(optimizer.opt_state, is_leaf=_is_var)
+    _lay_out([v for v in leaves if _is_var(v) and id(v) in ids], mesh, axis_name)
 
 
-def _metric_mean(nodes, axis_name) -> None:
-    for _, node in nnx.iter_graph(nodes):
-        if isinstance(node, nnx.Metric):
-            for v in jax.tree.leaves(nnx.state(node), is_leaf=_is_var):
-                if _is_var(v) and jnp.issubdtype(jnp.result_type(v.get_value()), jnp.inexact):
-                    v.set_value(jax.lax.pmean(v.get_value(), axis_name))
+def init_per_worker(
+    node: Any, mesh: Mesh, *, kind: type = nnx.BatchStat, axis_name: str = "data"
+) -> None:
+    """Give every ``kind`` Variable of ``node`` a leading worker axis, in place.
+
+    For ``data_parallel(..., batch_stats="per_worker")``: each worker keeps
+    its own BatchNorm statistics. Evaluate with one worker's copy (e.g.
+    ``nnx.state(model, nnx.BatchStat)`` indexed ``[0]``).
+    """
+    parallel.axis_size(mesh, axis_name)
+    _lay_out([v for _, v in _variables(node, kind).values()], mesh, axis_name)
+
+
+def _mesh_context(mesh: Mesh) -> None:
+    explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
+    if explicit and jax.sharding.get_abstract_mesh() != mesh.abstract_mesh:
+        raise ValueError(
+            f"jaxcomm.flax.data_parallel: the mesh has Explicit axes {tuple(mesh.axis_names)} "
+            "(jax.make_mesh's default) and is not the current mesh, so eager code after the "
+            "step (metrics.reset(), evaluation) would fail with a device-assignment error. "
+            "Run the training loop under `with jax.set_mesh(mesh):`, or make the mesh with "
+            "axis_types=(jax.sharding.AxisType.Auto,)"
+        )
+
+
+def _sync(nodes, before, axis_name, batch_stats: str) -> None:
+    """Metrics summed (Average) or averaged over workers; BatchStat averaged (``"mean"``)."""
+    graph_nodes = dict(nnx.iter_graph(nodes))
+    for path, var in graph_nodes.items():
+        if not _is_var(var):
+            continue
+        owner, x = graph_nodes.get(path[:-1]), var.get_value()
+        floating = jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        if isinstance(owner, nnx.metrics.Average):  # sums: total and count over the workers
+            var.set_value(before[id(var)] + jax.lax.psum(x - before[id(var)], axis_name))
+        elif floating and isinstance(owner, nnx.Metric):
+            var.set_value(jax.lax.pmean(x, axis_name))
+        elif floating and isinstance(var, nnx.BatchStat) and batch_stats == "mean":
+            var.set_value(jax.lax.pmean(x, axis_name))
 
 
 def data_parallel(
@@ -84,38 +150,90 @@ def data_parallel(
     mesh: Mesh | None = None,
     *,
     axis_name: str = "data",
-    batch_argnums: Sequence[int] = (-1,),
+    batch_argnums: Sequence[int | str] | None = None,
+    batch_stats: str = "mean",
+    fold_keys: bool = True,
 ) -> Callable:
     """Make an nnx training step (mutating its nnx arguments) data-parallel over ``mesh``.
 
     Args:
-      fn: ``fn(model, optimizer, ..., batch) -> aux``, one worker's step as
-        written for ``nnx.jit``; it updates its nnx arguments in place. Call
-        as ``data_parallel(fn, mesh)`` or decorate with ``@data_parallel(mesh)``.
-      mesh: the device mesh.
+      fn: ``fn(model, optimizer, metrics, batch, rngs) -> aux`` (any order), one
+        worker's step as written for ``nnx.jit``; it updates its nnx arguments
+        in place. Call as ``data_parallel(fn, mesh)`` or decorate with
+        ``@data_parallel(mesh)``.
+      mesh: the device mesh. With Explicit axes, call the step (and the eager
+        code after it) under ``jax.set_mesh(mesh)``.
       axis_name: the mesh axis of the workers.
-      batch_argnums: positions of the arguments split over workers.
+      batch_argnums: the arguments split over workers, by position or name;
+        ``None`` (default): the arguments that are not nnx objects and whose
+        arrays share a leading batch axis (an error if that is ambiguous).
+        An nnx object is never the batch.
+      batch_stats: ``"mean"`` (default) averages ``nnx.BatchStat`` over
+        workers after each step; ``"per_worker"`` keeps them per worker
+        (lay them out with :func:`init_per_worker`).
+      fold_keys: fold the keys of ``nnx.Rngs`` (and any PRNG key argument)
+        with the worker index inside the step.
 
     Returns:
       ``step(*args) -> aux``: updates the nnx arguments like ``fn`` and
       returns ``fn``'s output (floating leaves averaged over workers).
+
+    Example:
+      >>> @jaxcomm.flax.data_parallel(mesh)
+      ... def train_step(model, optimizer, metrics, batch, rngs):
+      ...     (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(
+      ...         model, batch, rngs)
+      ...     metrics.update(loss=loss, logits=logits, labels=batch["label"])
+      ...     optimizer.update(model, grads)
     """
     if isinstance(fn, Mesh):
         fn, mesh = None, fn
+    options = dict(axis_name=axis_name, batch_argnums=batch_argnums, batch_stats=batch_stats,
+                   fold_keys=fold_keys)  # fmt: skip
     if fn is None:
-        return lambda f: data_parallel(f, mesh, axis_name=axis_name, batch_argnums=batch_argnums)
+        return lambda f: data_parallel(f, mesh, **options)
     if mesh is None:
         raise ValueError("data_parallel: mesh is required, e.g. jax.make_mesh((8,), ('data',))")
+    if batch_stats not in ("mean", "per_worker"):
+        raise ValueError(f"batch_stats: expected 'mean' or 'per_worker', got {batch_stats!r}")
+    n = parallel.axis_size(mesh, axis_name)
     compiled: dict[Any, Callable] = {}
 
+    def nnx_batch(names, args, pos):
+        for b in batch_argnums or ():
+            i = names.index(b) if isinstance(b, str) and b in names else b
+            if isinstance(i, int) and -len(args) <= i < len(args) and i % len(args) in pos:
+                raise ValueError(
+                    f"batch_argnums: {names[i]!r} is an nnx.{type(args[i]).__name__}, which is "
+                    "state, not the batch; name the argument that holds the data"
+                )
+
+    def check_layout(nodes, ids, stat_ids):
+        found = _variables(nodes, nnx.Variable)
+        for i in sorted(ids | stat_ids, key=lambda i: found[i][0]):
+            path, var = found[i]
+            shape = jnp.shape(var.get_value())
+            if not shape or shape[0] != n:
+                owner = path.lstrip(".").split(".")[0].split("[")[0]
+                fix = "init_optimizer(optimizer" if i in ids else f"init_per_worker({owner}"
+                raise ValueError(
+                    f"{path.lstrip('.')}: per-worker state needs a leading worker axis of size "
+                    f"{n}; got shape {shape}. Call jaxcomm.flax.{fix}, mesh) once after "
+                    "building it"
+                )
+
     def step(*args):
+        _mesh_context(mesh)
+        names = parallel.param_names(fn, len(args))
         pos = [i for i, a in enumerate(args) if graph.is_graph_node(a)]
-        nodes = tuple(args[i] for i in pos)
-        others = tuple(a for i, a in enumerate(args) if i not in pos)
-        graphdef, state = nnx.split(nodes)
+        nnx_batch(names, args, pos)
+        nodes = {names[i]: args[i] for i in pos}
         ids = _worker_variables(nodes)
-        flags = jax.tree.map(lambda v: jax.tree.map(lambda _: id(v) in ids, v), state,
-                             is_leaf=_is_var)  # fmt: skip
+        stats = _variables(nodes, nnx.BatchStat) if batch_stats == "per_worker" else {}
+        check_layout(nodes, ids, set(stats))
+        graphdef, state = nnx.split(nodes)
+        flags = jax.tree.map(lambda v: jax.tree.map(lambda _: id(v) in ids | set(stats), v),
+                             state, is_leaf=_is_var)  # fmt: skip
         paths = {p for p, f in jax.tree_util.tree_leaves_with_path(flags) if f}
         structure = jax.tree.structure(state)
 
@@ -124,28 +242,29 @@ def data_parallel(
                 return jax.tree.map(lambda _: False, tree)
             return jax.tree_util.tree_map_with_path(lambda p, _: p in paths, tree)
 
-        n_args = len(args)
-        rest_pos = [i for i in range(n_args) if i not in pos]
-        batch = tuple(
-            1 + rest_pos.index(k % n_args) for k in batch_argnums if k % n_args in rest_pos
-        )
-        key = (graphdef, batch)
+        rest_pos = [i for i in range(len(args)) if i not in pos]
+        batch = None
+        if batch_argnums is not None:
+            where = [names.index(b) if isinstance(b, str) else b % len(args) for b in batch_argnums]
+            batch = tuple(1 + rest_pos.index(i) for i in where)
+        key = (graphdef, batch, tuple(names))
         if key not in compiled:
 
             def pure(state, *rest):
-                objs = iter(nnx.merge(graphdef, state))
+                objs = nnx.merge(graphdef, state)
+                before = {id(v): v.get_value() for _, v in nnx.iter_graph(objs) if _is_var(v)}
                 rest_it = iter(rest)
-                full = [next(objs) if i in pos else next(rest_it) for i in range(n_args)]
+                full = [objs[names[i]] if i in pos else next(rest_it) for i in range(len(args))]
                 out = fn(*full)
-                merged = tuple(full[i] for i in pos)
-                _metric_mean(merged, axis_name)
-                return nnx.state(merged), out
+                _sync(objs, before, axis_name, batch_stats)
+                return nnx.state(objs), out
 
             compiled[key] = parallel.data_parallel(
-                pure, mesh, axis_name=axis_name, batch_argnums=batch,
-                mean_outputs=(1,), worker_mask=mask,
+                pure, mesh, axis_name=axis_name, batch_argnums=batch, mean_outputs=(1,),
+                worker_mask=mask, fold_keys=fold_keys,
+                names=("", *(names[i] for i in rest_pos)),
             )  # fmt: skip
-        new_state, out = compiled[key](state, *others)
+        new_state, out = compiled[key](state, *(args[i] for i in rest_pos))
         nnx.update(nodes, new_state)
         return out
 

@@ -178,12 +178,10 @@ def test_setup_mistakes_name_the_leaf_and_the_fix():
 
     f = jaxcomm.data_parallel(step, mesh)
     # state without the worker axis (tx.init instead of init_state)
-    with pytest.raises(
-        ValueError, match=r"argument 1\[0\]\.count: .*leading worker axis.*init_state"
-    ):
+    with pytest.raises(ValueError, match=r"^s\[0\]\.count: .*leading worker axis.*init_state"):
         f(params, tx.init(params), batches[0])
     # a batch that does not divide over the workers
-    with pytest.raises(ValueError, match=r"argument 2\[0\].*divisible by the 8 workers"):
+    with pytest.raises(ValueError, match=r"^b\[0\]: .*divisible by the 8 workers"):
         f(params, jaxcomm.init_state(tx, params, mesh), (batches[0][0][:12], batches[0][1][:12]))
     # no jaxcomm transform: nothing would exchange the gradients
     plain = optax.sgd(0.1)
@@ -191,7 +189,7 @@ def test_setup_mistakes_name_the_leaf_and_the_fix():
         f(params, plain.init(params), batches[0])
     with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
         jaxcomm.init_state(tx, params, mesh, axis_name="model")
-    with pytest.raises(ValueError, match="local_sgd and diloco keep params per worker"):
+    with pytest.raises(ValueError, match="local_sgd, diloco and zero_one_adam keep params per"):
         jaxcomm.init_state(jaxcomm.local_sgd(optax.sgd(0.1), every=2, axis_name=AXIS), params, mesh)
 
 
