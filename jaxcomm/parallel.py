@@ -335,21 +335,27 @@ def _check_replicated(traced, flat_batch, out_specs, out_names, axis_name, mean_
             )
             raise ValueError(
                 f"data_parallel: {name} is returned as replicated (one value for all workers) "
-                "but is computed from this worker's batch without an exchange, so the copies "
-                f"would differ. If it is {fix}"
+                "but is computed from this worker's batch (or index) without an exchange, so "
+                f"the copies would differ. If it is {fix}"
             )
 
 
-def _outputs_named(shapes, args, names):
-    """Per flat output leaf: (its name, whether it is a PRNG key)."""
+def _outputs_named(shapes, args, names, masks):
+    """Per flat output leaf: (its name, whether it is a PRNG key). An output is named after
+    the one argument it matches (its tree; and leaf shapes, unless it holds per-worker state)."""
     outs = shapes if isinstance(shapes, tuple) else (shapes,)
-    by_structure = {jax.tree.structure(a): name for a, name in zip(args, names)}
+
+    def matches(o, a, m):
+        if any(jax.tree.leaves(m)):
+            return jax.tree.structure(o) == jax.tree.structure(a)
+        return _signature(o) == _signature(a)
+
     named = []
     for k, o in enumerate(outs):
-        base = by_structure.get(jax.tree.structure(o))
-        base = base or ("the output" if len(outs) == 1 else f"output {k}")
+        found = [n for n, a, m in zip(names, args, masks) if matches(o, a, m)]
+        base = found[0] if len(found) == 1 else "the output" if len(outs) == 1 else f"output {k}"
         for path, x in jax.tree_util.tree_leaves_with_path(o):
-            named.append((leaf_name(base, path), bool(_key_kind("key", x) == "typed")))
+            named.append((leaf_name(base, path), _key_kind("key", x) == "typed"))
     return named
 
 
@@ -538,7 +544,7 @@ def data_parallel(
         flat_batch = [i in batch for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
         _check_replicated(
             traced, flat_batch, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-            _outputs_named(shapes, args, arg_names), axis_name,
+            _outputs_named(shapes, args, arg_names, masks), axis_name,
             "average it over workers (mean_outputs=, or jax.lax.pmean in the step)",
         )  # fmt: skip
         return batch, jitted
