@@ -86,9 +86,14 @@ def _variables(nodes, kind) -> dict[int, tuple[str, nnx.Variable]]:
     return found
 
 
+_TAG = "jaxcomm_per_worker"  # Variable metadata: laid out with a worker axis
+
+
 def _lay_out(variables, mesh, axis_name) -> None:
     for var in variables:
-        var.set_value(parallel.per_worker(var.get_value(), mesh, axis_name=axis_name))
+        if not var.get_metadata().get(_TAG):
+            var.set_value(parallel.per_worker(var.get_value(), mesh, axis_name=axis_name))
+            var.set_metadata(_TAG, True)
 
 
 def init_optimizer(optimizer: nnx.Optimizer, mesh: Mesh, *, axis_name: str = "data") -> None:
@@ -133,7 +138,7 @@ def _sync(nodes, before, axis_name, batch_stats: str) -> None:
     """Metrics summed (Average) or averaged over workers; BatchStat averaged (``"mean"``)."""
     graph_nodes = dict(nnx.iter_graph(nodes))
     for path, var in graph_nodes.items():
-        if not _is_var(var):
+        if not _is_var(var) or not hasattr(var.get_value(), "dtype"):
             continue
         owner, x = graph_nodes.get(path[:-1]), var.get_value()
         floating = jnp.issubdtype(jnp.result_type(x), jnp.inexact)
@@ -212,8 +217,10 @@ def data_parallel(
         found = _variables(nodes, nnx.Variable)
         for i in sorted(ids | stat_ids, key=lambda i: found[i][0]):
             path, var = found[i]
+            if not jax.tree.leaves(var.get_value()):  # e.g. optax.masked's MaskedNode
+                continue
             shape = jnp.shape(var.get_value())
-            if not shape or shape[0] != n:
+            if not var.get_metadata().get(_TAG) or not shape or shape[0] != n:
                 owner = path.lstrip(".").split(".")[0].split("[")[0]
                 fix = "init_optimizer(optimizer" if i in ids else f"init_per_worker({owner}"
                 raise ValueError(

@@ -1,5 +1,7 @@
 """jaxcomm.flax: an nnx.Optimizer step made data-parallel equals the pure-optax helper's step."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,4 +110,172 @@ def test_an_optimizer_without_init_optimizer_is_told_the_fix():
         match=r"^optimizer\.opt_state\[0\]\.count: .*leading worker axis.*"
         r"jaxcomm\.flax\.init_optimizer\(optimizer, mesh\)",
     ):
+        step(model, optimizer, metrics, batches(1)[0])
+
+
+# --- the official Flax nnx MNIST example's model and step (flax examples/mnist), on 8x8 inputs --
+
+
+class CNN(nnx.Module):
+    """The official example's CNN (BatchNorm, Dropout), sized for 8x8x1 images."""
+
+    seen: list = []  # the image batch shapes the traced steps saw (trace time)
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm1 = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout1 = nnx.Dropout(rate=0.25)
+        self.conv2 = nnx.Conv(8, 16, kernel_size=(3, 3), rngs=rngs)
+        self.batch_norm2 = nnx.BatchNorm(16, rngs=rngs)
+        self.avg_pool = partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(64, 32, rngs=rngs)
+        self.dropout2 = nnx.Dropout(rate=0.25)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x, rngs: nnx.Rngs | None = None):
+        CNN.seen.append(x.shape)
+        x = self.avg_pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x), rngs=rngs))))
+        x = self.avg_pool(nnx.relu(self.batch_norm2(self.conv2(x))))
+        x = x.reshape(x.shape[0], -1)  # flatten
+        x = nnx.relu(self.dropout2(self.linear1(x), rngs=rngs))
+        return self.linear2(x)
+
+
+def cnn_loss_fn(model, batch, rngs):
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, logits
+
+
+def official_train_step(model, optimizer, metrics, batch, rngs):
+    """Train for a single step (the official example's, unchanged)."""
+    grad_fn = nnx.value_and_grad(cnn_loss_fn, has_aux=True)
+    (loss, logits), grads = grad_fn(model, batch, rngs)
+    metrics.update(loss=loss, logits=logits, labels=batch["label"])
+    optimizer.update(model, grads)
+
+
+def images(steps=3, per_worker=4):
+    rng = np.random.default_rng(1)
+    return [
+        {"image": rng.random((per_worker * N, 8, 8, 1), np.float32),
+         "label": rng.integers(0, 10, per_worker * N).astype(np.int32)}
+        for _ in range(steps)
+    ]  # fmt: skip
+
+
+def official_setup(mesh, seed=0, **options):
+    model = CNN(rngs=nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    jaxcomm.flax.init_optimizer(optimizer, mesh)
+    metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
+    step = jaxcomm.flax.data_parallel(official_train_step, mesh, **options)
+    return model, optimizer, metrics, nnx.Rngs(seed), step
+
+
+def copies(x):
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def test_the_official_step_splits_the_batch_and_keeps_batch_norm_equal_on_every_worker():
+    mesh = jax.make_mesh((N,), (AXIS,))  # Explicit axes, as jax.make_mesh makes them
+    model, optimizer, metrics, rngs, step = official_setup(mesh)
+    model.train()
+    CNN.seen.clear()
+    with jax.set_mesh(mesh):
+        for b in images():
+            step(model, optimizer, metrics, b, rngs)
+        # the traced step saw one worker's 4 images of the 32, not the global batch
+        assert CNN.seen[-1] == (4, 8, 8, 1), CNN.seen
+        # Accuracy counts the images of every worker once: the global batch, 3 steps
+        assert int(metrics.accuracy.count[...]) == 3 * 4 * N
+        assert int(rngs.default.count[...]) == 2 * 3  # each Dropout draws once a step
+        for name in ("batch_norm1", "batch_norm2"):
+            for stat in ("mean", "var"):
+                first, *rest = copies(getattr(model, name).__dict__[stat][...])
+                assert not np.allclose(first, 0 if stat == "mean" else 1)  # it moved
+                for other in rest:
+                    np.testing.assert_array_equal(other, first)
+        metrics.reset()  # eager code after the step runs under the mesh
+
+
+def test_batch_stats_per_worker_average_to_the_mean_mode():
+    """One step: the averaged statistics are the mean of the per-worker ones (the same masks)."""
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    b = images(1)[0]
+    got = {}
+    for mode in ("mean", "per_worker"):
+        model, optimizer, metrics, rngs, step = official_setup(mesh, batch_stats=mode)
+        if mode == "per_worker":
+            jaxcomm.flax.init_per_worker(model, mesh)
+        step(model, optimizer, metrics, b, rngs)
+        got[mode] = np.asarray(model.batch_norm1.mean[...])
+    assert got["per_worker"].shape == (N, 8)
+    assert not np.allclose(got["per_worker"][0], got["per_worker"][1])
+    np.testing.assert_allclose(got["mean"], got["per_worker"].mean(0), rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_masks_differ_between_workers_and_repeat_for_a_seed():
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+    jaxcomm.flax.init_optimizer(optimizer, mesh)
+
+    @jaxcomm.flax.data_parallel(mesh)
+    def step(model, optimizer, batch, rngs):
+        grads = nnx.grad(lambda m: loss_fn(m, batch)[0])(model)
+        optimizer.update(model, grads)
+        mask = nnx.Dropout(0.5)(jnp.ones(64), rngs=rngs) > 0
+        return jax.lax.all_gather(mask, AXIS)  # every worker's mask
+
+    b = batches(1)[0]
+    masks = np.asarray(step(model, optimizer, b, nnx.Rngs(0)))
+    assert len({m.tobytes() for m in masks}) == N
+    for w in range(N):  # worker w: its stream key folded with w, then nnx's own draw
+        rngs = nnx.Rngs(0)
+        rngs.default.key[...] = jax.random.fold_in(rngs.default.key[...], w)
+        expect = nnx.Dropout(0.5)(jnp.ones(64), rngs=rngs) > 0
+        np.testing.assert_array_equal(masks[w], np.asarray(expect))
+    rngs = nnx.Rngs(0)
+    again = np.asarray(step(model, optimizer, b, rngs))
+    np.testing.assert_array_equal(again, masks)
+    # the key comes back as it was (replicated), the counter advanced
+    np.testing.assert_array_equal(jax.random.key_data(rngs.default.key[...]),
+                                  jax.random.key_data(nnx.Rngs(0).default.key[...]))  # fmt: skip
+    assert int(rngs.default.count[...]) == 1
+    other = np.asarray(step(model, optimizer, b, nnx.Rngs(1)))
+    assert not np.array_equal(other, masks)
+
+
+def test_setup_mistakes_with_nnx_name_the_argument_and_the_fix():
+    explicit = jax.make_mesh((N,), (AXIS,))
+    model, optimizer, metrics, rngs, step = official_setup(explicit)
+    with pytest.raises(ValueError, match=r"Explicit axes \('data',\).*jax\.set_mesh\(mesh\)"):
+        step(model, optimizer, metrics, images(1)[0], rngs)
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    model, optimizer, metrics, rngs, _ = official_setup(mesh)
+    step = jaxcomm.flax.data_parallel(official_train_step, mesh, batch_argnums=(-1,))
+    with pytest.raises(ValueError, match=r"batch_argnums: 'rngs' is an nnx\.Rngs, which is state"):
+        step(model, optimizer, metrics, images(1)[0], rngs)
+    step = jaxcomm.flax.data_parallel(official_train_step, mesh, batch_stats="per_worker")
+    # batch_norm1's statistics have 8 channels, as many as workers: not mistaken as laid out
+    with pytest.raises(ValueError, match=r"model\.batch_norm1\.mean: per-worker state.*"
+                       r"jaxcomm\.flax\.init_per_worker\(model, mesh\)"):  # fmt: skip
+        step(model, optimizer, metrics, images(1)[0], rngs)
+
+
+def test_a_leaf_left_out_of_the_compressor_is_named_by_its_nnx_path():
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    model = MLP(nnx.Rngs(0))
+    only_kernels = lambda p: jax.tree.map_with_path(  # noqa: E731
+        lambda path, _: any(getattr(k, "key", None) == "kernel" for k in path), p
+    )
+    tx = optax.chain(optax.masked(jaxcomm.topk(0.1, axis_name=AXIS, min_size=0), only_kernels),
+                     optax.sgd(0.1))  # fmt: skip
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    jaxcomm.flax.init_optimizer(optimizer, mesh)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    step = jaxcomm.flax.data_parallel(train_step, mesh)
+    with pytest.raises(ValueError, match=r"model\['l1'\]\['bias'\] is returned as replicated.*"
+                       r"jaxcomm\.allreduce"):  # fmt: skip
         step(model, optimizer, metrics, batches(1)[0])
