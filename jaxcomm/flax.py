@@ -6,23 +6,19 @@ loop mutates its model, optimizer and metrics in place; this module makes
 such a step data-parallel. The change to the official Flax nnx MNIST
 example (``examples/mnist``: a CNN with BatchNorm and Dropout) is six lines:
 
-    import jaxcomm.flax                                                    # + the library
-    mesh = jax.make_mesh((8,), ("data",))                                  # + the workers
-    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(lr, momentum))  # ~
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    import jaxcomm.flax                                                    # +
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))     # + the workers
+    tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.adamw(lr, momentum))  # +
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)                    # ~ tx
     jaxcomm.flax.init_optimizer(optimizer, mesh)                           # + worker axis
 
     @jaxcomm.flax.data_parallel(mesh)                                      # ~ was @nnx.jit
     def train_step(model, optimizer, metrics, batch, rngs):  # unchanged
         ...
 
-    with jax.set_mesh(mesh):                                               # + around the loop
-        ...
-
-(``jax.make_mesh`` makes Explicit axes, for which eager code after the step,
-such as ``metrics.reset()``, needs the mesh set: the step says so if it is
-not; a mesh with ``axis_types=(jax.sharding.AxisType.Auto,)`` needs no
-``jax.set_mesh``.)
+With ``jax.make_mesh``'s default Explicit axes, a seventh line,
+``jax.set_mesh(mesh)``, sets the mesh for the eager code after the step
+(``metrics.reset()``, evaluation); the step refuses to run without it.
 
 The rules are :mod:`jaxcomm.parallel`'s, for the state of the nnx objects
 among the step's arguments:

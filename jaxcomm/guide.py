@@ -45,42 +45,80 @@ def step(params, opt_state, batch):
 
 The layout rule (`jaxcomm.parallel`): the state of every jaxcomm transform,
 wherever it sits in the tree (a chain's tuple, a flax `TrainState`), has a
-leading worker axis and is sharded over it; the batch arguments
-(`batch_argnums`, default the last) are split over workers; everything else
-is replicated, so optimizers after the compressor (momentum, Adam) keep one
-replicated state. Inside, each worker gets its own gradients and the jaxcomm
-transform does the only exchange. Arrays are placed on the mesh at every
-call, so NumPy batches and checkpoints restored onto one device work;
-`Explicit` and `Auto` mesh axes both work. Mistakes get an error naming the
-leaf and the fix: state built with `tx.init` instead of `init_state`, a
-batch that does not divide over the workers, a step without any jaxcomm
-state (nothing would exchange the gradients), and `local_sgd`/`diloco`,
-whose params are per worker (write their step by hand, below).
+leading worker axis and is sharded over it; the batch is split over workers;
+everything else is replicated, so optimizers after the compressor (momentum,
+Adam) keep one replicated state. Inside, each worker gets its own gradients
+and the jaxcomm transform does the only exchange. Arrays are placed on the
+mesh at every call, so NumPy batches and checkpoints restored onto one
+device work; `Explicit` and `Auto` mesh axes both work.
+
+What the helper guesses, it checks, and it refuses when it cannot tell:
+
+- **The batch** is found: the arguments whose arrays share one leading size
+  divisible by the workers, that hold no per-worker state and no PRNG key,
+  and that the step does not return (params and state come back; data does
+  not). Two candidates of different sizes, or none, are an error naming the
+  parameters (`batch_argnums=("batch",)` names it, by name or position). A
+  step in which nothing would be split is an error.
+- **PRNG keys** handed to the step (typed keys, and uint32 `(..., 2)` leaves
+  named like `rng`/`key`) are folded with the worker index, so dropout
+  differs between workers and a run repeats for its seed; a key returned
+  unchanged comes back as handed in (`fold_keys=False` shares them).
+- **BatchNorm statistics** (leaves under a `batch_stats` key, as linen
+  names them) are averaged over workers after each step, as torch DDP's
+  `broadcast_buffers` keeps one copy; `batch_stats="per_worker"` keeps
+  them per worker, laid out by `jaxcomm.parallel.per_worker`.
+- **Replicated outputs are checked** before the step runs
+  (`jaxcomm.divergence` walks its jaxpr): a value returned as replicated
+  but computed from the worker's batch without an exchange is an error
+  naming the leaf, e.g. the bias that
+  `optax.masked(jaxcomm.topk(...), {"w": True, "b": False})` keeps away
+  from the compressor (fix: `optax.masked(jaxcomm.allreduce(axis_name=
+  "data"), {"w": False, "b": True})` in the chain), or a loss returned
+  without `mean_outputs`. So is a collective inside a `lax.cond` whose
+  predicate comes from the batch: `optax.apply_if_finite` around a
+  compressor (use `jaxcomm.skip_nonfinite`, below).
+- Setup mistakes name the leaf (by parameter name) and the fix: state built
+  with `tx.init` instead of `init_state`, a batch that does not divide over
+  the workers, a transform whose `axis_name` is not the mesh's (the error
+  lists the mesh's axes), a step without any jaxcomm state (nothing would
+  exchange the gradients), and `local_sgd`/`diloco`/`zero_one_adam`, whose
+  params are per worker between synchronisations (write their step by
+  hand, below).
 
 - **flax linen**: a `TrainState` is a pytree. Build it with
   `opt_state=jaxcomm.init_state(tx, params, mesh)` and decorate
   `train_step(state, batch) -> (state, metrics)` with
   `@jaxcomm.data_parallel(mesh, mean_outputs=(1,))`
-  (`experiments/examples/linen_digits.py`).
+  (`experiments/examples/linen_digits.py`). A `batch_stats` field is
+  averaged over workers after each step.
 - **flax nnx**: `jaxcomm.flax` (imports flax; `pip install jaxcomm[flax]`).
-  The Flax nnx MNIST example becomes data-parallel with five changed lines
+  The official Flax nnx MNIST example (a CNN with BatchNorm and Dropout,
+  `train_step(model, optimizer, metrics, batch, rngs)`) becomes
+  data-parallel with six changed lines
   (`experiments/examples/nnx_digits.py`):
 
 ```diff
-+mesh = jax.make_mesh((8,), ("data",))
++import jaxcomm.flax
++mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 -optimizer = nnx.Optimizer(model, optax.adamw(learning_rate, momentum), wrt=nnx.Param)
 +tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.adamw(learning_rate, momentum))
 +optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 +jaxcomm.flax.init_optimizer(optimizer, mesh)
 -@nnx.jit
 +@jaxcomm.flax.data_parallel(mesh)
- def train_step(model, optimizer, metrics, batch):
+ def train_step(model, optimizer, metrics, batch, rngs):
 ```
 
-  The state of `nnx.Metric` objects is averaged over workers after each
-  step, so metrics describe the global batch. With `Explicit` mesh axes
-  (`jax.make_mesh`'s default) eager code after the step (`metrics.compute()`,
-  evaluation) runs under `jax.set_mesh(mesh)`, as JAX requires.
+  With `jax.make_mesh`'s default `Explicit` axes a seventh line,
+  `jax.set_mesh(mesh)`, goes after the mesh: eager code after the step
+  (`metrics.reset()`, evaluation) needs it, and the step refuses to run
+  without it. nnx objects are never the batch; `nnx.BatchStat` variables
+  are averaged over workers after each step (`batch_stats="per_worker"`
+  with `jaxcomm.flax.init_per_worker` keeps them per worker); the keys of
+  `nnx.Rngs` are folded with the worker index inside the step and come
+  back unchanged; `nnx.metrics.Average` and `Accuracy` sum their totals and
+  counts over workers, so metrics describe the global batch.
 - **Checkpoints**: save `{"params": params, "opt_state": opt_state}` with
   orbax as it is; restore into the abstract tree of a fresh
   `init_state(tx, params, mesh)` (`ocp.utils.to_shape_dtype_struct`), and the
@@ -1145,6 +1183,7 @@ top-k break-even, measured against predicted step times from
       policy.py        auto / choose / measure: the exchange measured cheapest on the mesh
       distributed.py   jax.distributed start-up, global mesh, per-process data
       parallel.py      data_parallel / init_state: the data-parallel step helper
+      divergence.py    which values of a traced step may differ between workers
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
     experiments/       main.py + train.py (the harness) + configs/ (their variants are the

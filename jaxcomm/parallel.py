@@ -23,8 +23,12 @@ The layout rule, applied to every argument and every output of the step:
 * a **jaxcomm state** (any state class defined in ``jaxcomm``, found
   anywhere in the tree, e.g. inside a chain's tuple or a flax ``TrainState``)
   carries a leading worker axis of size ``n`` and is sharded over it;
-* the **batch** arguments (``batch_argnums``, default the last) are split
-  over workers along their leading axis (the global batch);
+* the **batch** arguments are split over workers along their leading axis
+  (the global batch). Unless ``batch_argnums`` names them, they are found:
+  the arguments whose array leaves share one leading size divisible by
+  ``n``, that hold no per-worker state and no PRNG key, and that the step
+  does not return (params and state come back, data does not). None, or
+  candidates of different sizes, is an error naming the parameters;
 * **everything else** (params, the other optimizer state, step counters) is
   replicated.
 
@@ -33,14 +37,22 @@ gradients are per worker: the step runs under ``shard_map(check_vma=False)``
 (pmap's semantics), so ``jax.grad`` of a replicated param does not insert
 the dense all-reduce JAX adds under type checking, and the jaxcomm
 transform does the only exchange. Outputs named in ``mean_outputs`` (e.g.
-the loss) have their floating leaves averaged over workers.
+the loss) have their floating leaves averaged over workers; so have leaves
+under a ``batch_stats`` key (linen's BatchNorm statistics) unless
+``batch_stats="per_worker"``. PRNG keys handed to the step are folded with
+the worker index (``fold_keys``), so each worker draws its own dropout.
 
-Checks made before anything is compiled, each naming the leaf and the fix:
-a jaxcomm state leaf without the worker axis (state not built with
-:func:`init_state`), a batch whose leading axis does not divide over the
-workers, a step with no jaxcomm state among its arguments (gradients would
-not be exchanged), and the parameter-averaging wrappers (``local_sgd``,
-``diloco``), whose params are per worker and need a hand-written step.
+Checks made before anything runs, each naming the leaf (by the step's
+parameter names) and the fix: per-worker state without the worker axis
+(state not built with :func:`init_state`), a batch whose leading axis does
+not divide over the workers, a step with no jaxcomm state among its
+arguments (gradients would not be exchanged), the parameter-averaging
+wrappers (``local_sgd``, ``diloco``, ``zero_one_adam``), whose params are
+per worker and need a hand-written step, a transform whose ``axis_name`` is
+not the mesh's, and (:mod:`jaxcomm.divergence`, a walk over the traced step)
+an output returned as replicated but computed from the batch without an
+exchange, or a collective under a branch whose predicate comes from the
+batch (``optax.apply_if_finite`` around a compressor).
 
 Arrays are placed on the mesh on every call (a no-op for arrays already
 there), so a NumPy batch, an orbax restore onto one device, or a mesh with
