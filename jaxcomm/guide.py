@@ -1182,7 +1182,8 @@ top-k break-even, measured against predicted step times from
       calibrate.py     per-kind alpha/beta measured on the user's mesh
       policy.py        auto / choose / measure: the exchange measured cheapest on the mesh
       distributed.py   jax.distributed start-up, global mesh, per-process data
-      parallel.py      data_parallel / init_state: the data-parallel step helper
+      parallel/        data_parallel / init_state: the data-parallel step helper (layout,
+                       arguments: the batch and keys, step)
       divergence.py    which values of a traced step may differ between workers
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
