@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -78,6 +79,7 @@ def data_parallel(
     donate_argnums: Sequence[int] = (),
     worker_mask: Callable[[Any], Any] | None = None,
     names: Sequence[str] | None = None,
+    check_replicas: bool = False,
     wait_previous: bool | None = None,
 ) -> Callable:
     """Make one worker's training step a jitted data-parallel step over ``mesh``.
@@ -110,6 +112,9 @@ def data_parallel(
         (:func:`state_mask`). :mod:`jaxcomm.flax` passes one for nnx.
       names: the names of ``fn``'s arguments in error messages; default:
         its signature's.
+      check_replicas: a debug mode: after every step, compare each device's
+        copy of every output returned as replicated (the copies this process
+        holds) and raise naming the first leaf whose copies differ.
       wait_previous: wait for the previous step before dispatching the next
         (see the module docstring); ``None``: exactly on XLA:CPU with several
         devices in this process.
@@ -127,7 +132,8 @@ def data_parallel(
         raise ValueError(f"batch_stats: expected 'mean' or 'per_worker', got {batch_stats!r}")
     options = dict(axis_name=axis_name, batch_argnums=batch_argnums, mean_outputs=mean_outputs,
                    batch_stats=batch_stats, fold_keys=fold_keys, donate_argnums=donate_argnums,
-                   worker_mask=worker_mask, names=names, wait_previous=wait_previous)  # fmt: skip
+                   worker_mask=worker_mask, names=names, check_replicas=check_replicas,
+                   wait_previous=wait_previous)  # fmt: skip
     if fn is None:
         return functools.partial(data_parallel, mesh=mesh, **options)
     n = axis_size(mesh, axis_name)
@@ -228,17 +234,23 @@ def data_parallel(
         outs = shapes if isinstance(shapes, tuple) else (shapes,)
         specs = tuple(jax.tree.map(spec, mask_of(o)) for o in outs)
         specs = specs if isinstance(shapes, tuple) else specs[0]
+        # keys inside the batch are split with it, not folded
+        keys = tuple(jax.tree.map(lambda _: False, k) if i in batch else k
+                     for i, k in enumerate(keys))  # fmt: skip
+        local = make_local(masks, keys)
         mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs(batch), out_specs=specs,
                                check_vma=False)  # fmt: skip
         jitted = jax.jit(mapped, donate_argnums=tuple(donate_argnums))
         traced = jitted.trace(*avals(batch))
         flat_batch = [i in batch for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+        flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+        out_names = outputs_named(shapes, args, arg_names, masks)
         _check_replicated(
-            traced, flat_batch, jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)),
-            outputs_named(shapes, args, arg_names, masks), axis_name,
+            traced, flat_batch, flat_specs, out_names, axis_name,
             "average it over workers (mean_outputs=, or jax.lax.pmean in the step)",
         )  # fmt: skip
-        return batch, jitted
+        replicated = [s == P() for s in flat_specs]
+        return batch, jitted, [name for (name, _), r in zip(out_names, replicated) if r]
 
     def step(*args):
         arg_names = tuple(names) if names is not None else param_names(fn, len(args))
@@ -248,7 +260,8 @@ def data_parallel(
                 "data_parallel: no jaxcomm transform's state among the step's arguments, so "
                 "nothing would exchange the gradients and the workers would drift apart; "
                 f"put a jaxcomm transform with axis_name={axis_name!r} first in the optimizer "
-                "chain and pass its state (jaxcomm.init_state)"
+                "chain and pass its state (jaxcomm.init_state; with flax nnx, "
+                "jaxcomm.flax.init_optimizer)"
             )
         masks = tuple(mask_of(a) for a in args)
         leaves = jax.tree.leaves(args)
@@ -269,12 +282,14 @@ def data_parallel(
                 for name, a, mk in zip(arg_names, args, masks)
             )
             compiled[cache_key] = build(args, masks, keys, arg_names)
-        batch, run = compiled[cache_key]
+        batch, run, replicated_names = compiled[cache_key]
         args = place(args, masks, batch, mesh, axis_name)
         if one_in_flight and last[0] is not None:
             jax.block_until_ready(last[0])
         out = run(*args)
         last[0] = out if one_in_flight else None
+        if check_replicas:
+            _compare_copies(out, mask_of, replicated_names)
         return out
 
     return step
@@ -282,3 +297,22 @@ def data_parallel(
 
 def _floating(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _compare_copies(out, mask_of, names) -> None:
+    """Raise naming the first replicated output leaf whose device copies differ."""
+    outs = out if isinstance(out, tuple) else (out,)
+    flat = [x for o in outs for x, m in zip(jax.tree.leaves(o), jax.tree.leaves(mask_of(o)))
+            if not m]  # fmt: skip
+    for name, x in zip(names, flat):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        shards = [np.asarray(s.data) for s in x.addressable_shards]
+        differ = [i for i, c in enumerate(shards[1:], 1) if c.tobytes() != shards[0].tobytes()]
+        if differ:
+            raise ValueError(
+                f"check_replicas: {name} is declared replicated but its copies differ between "
+                f"devices ({len(differ)} of {len(shards) - 1} differ from device 0's): a value "
+                "computed per worker (e.g. from per-worker state) and returned without an "
+                "exchange"
+            )
