@@ -154,6 +154,7 @@ def data_parallel(
     batch_argnums: Sequence[int | str] | None = None,
     batch_stats: str = "mean",
     fold_keys: bool = True,
+    check_replicas: bool = False,
 ) -> Callable:
     """Make an nnx training step (mutating its nnx arguments) data-parallel over ``mesh``.
 
@@ -174,6 +175,8 @@ def data_parallel(
         (lay them out with :func:`init_per_worker`).
       fold_keys: fold the keys of ``nnx.Rngs`` (and any PRNG key argument)
         with the worker index inside the step.
+      check_replicas: a debug mode: compare the device copies of every
+        replicated Variable after each step (see :func:`jaxcomm.data_parallel`).
 
     Returns:
       ``step(*args) -> aux``: updates the nnx arguments like ``fn`` and
@@ -190,7 +193,7 @@ def data_parallel(
     if isinstance(fn, Mesh):
         fn, mesh = None, fn
     options = dict(axis_name=axis_name, batch_argnums=batch_argnums, batch_stats=batch_stats,
-                   fold_keys=fold_keys)  # fmt: skip
+                   fold_keys=fold_keys, check_replicas=check_replicas)  # fmt: skip
     if fn is None:
         return lambda f: data_parallel(f, mesh, **options)
     if mesh is None:
@@ -264,7 +267,7 @@ def data_parallel(
 
             compiled[key] = parallel.data_parallel(
                 pure, mesh, axis_name=axis_name, batch_argnums=batch, mean_outputs=(1,),
-                worker_mask=mask, fold_keys=fold_keys,
+                worker_mask=mask, fold_keys=fold_keys, check_replicas=check_replicas,
                 names=("", *(names[i] for i in rest_pos)),
             )  # fmt: skip
         new_state, out = compiled[key](state, *(args[i] for i in rest_pos))

@@ -179,7 +179,7 @@ def copies(x):
 
 def test_the_official_step_splits_the_batch_and_keeps_batch_norm_equal_on_every_worker():
     mesh = jax.make_mesh((N,), (AXIS,))  # Explicit axes, as jax.make_mesh makes them
-    model, optimizer, metrics, rngs, step = official_setup(mesh)
+    model, optimizer, metrics, rngs, step = official_setup(mesh, check_replicas=True)
     model.train()
     CNN.seen.clear()
     with jax.set_mesh(mesh):

@@ -170,6 +170,30 @@ def test_apply_if_finite_around_a_compressor_is_an_error_naming_skip_nonfinite()
     assert_replicated(p)
 
 
+def test_optax_multisteps_is_an_error_naming_jaxcomm_accumulate():
+    """MultiSteps keeps each worker's own gradient sum in its (replicated) state."""
+    params, batches = setup()
+    mesh = make_mesh(AxisType.Explicit)
+    inner = optax.chain(jaxcomm.topk(0.05, axis_name=AXIS, min_size=0), optax.sgd(0.1))
+
+    def make_step(tx):
+        def step(params, opt_state, batch):
+            u, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+            return optax.apply_updates(params, u), opt_state
+
+        return jaxcomm.data_parallel(step, mesh)
+
+    tx = optax.MultiSteps(inner, 2)
+    with pytest.raises(ValueError, match=r"opt_state\.acc_grads\['\w+'\] is returned as "
+                       r"replicated.*jaxcomm\.accumulate\(tx, every=k\)"):  # fmt: skip
+        make_step(tx)(params, jaxcomm.init_state(tx, params, mesh), batches[0])
+    tx = jaxcomm.accumulate(inner, every=2)
+    p, s = params, jaxcomm.init_state(tx, params, mesh)
+    for b in batches:
+        p, s = make_step(tx)(p, s, b)
+    assert_replicated(p)
+
+
 def test_a_per_worker_loss_returned_without_mean_outputs_is_an_error():
     params, batches = setup()
     mesh = make_mesh(AxisType.Explicit)

@@ -55,6 +55,10 @@ def _check_replicated(traced, flat_batch, out_specs, out_names, axis_name, mean_
                 "a PRNG key the step derived from a key it was handed, which the helper folds "
                 "with the worker index: split keys outside the step (or fold_keys=False)"
                 if is_key
+                else "optax.MultiSteps' accumulator (each worker's own gradients, in state "
+                "declared replicated): use jaxcomm.accumulate(tx, every=k), whose accumulator "
+                "is per worker"
+                if ".acc_grads" in name
                 else "a gradient leaf that no jaxcomm transform exchanges (e.g. left out by "
                 "optax.masked or optax.partition): exchange it too, e.g. optax.masked("
                 f"jaxcomm.allreduce(axis_name={axis_name!r}), <the leaves left out>); "
