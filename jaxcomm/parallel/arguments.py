@@ -48,6 +48,7 @@ def leaf_name(name: str, path) -> str:
 
 
 def is_batch_stats(path) -> bool:
+    """Whether a tree path runs through a ``batch_stats`` key (linen's BatchNorm statistics)."""
     return any(getattr(k, "key", getattr(k, "name", None)) == "batch_stats" for k in path)
 
 
@@ -65,6 +66,7 @@ def key_kind(name: str, x) -> str | bool:
 
 
 def fold(x, index, kind):
+    """Every key of ``x`` (of :func:`key_kind` ``kind``) folded with ``index``."""
     keys = jax.random.wrap_key_data(x) if kind == "raw" else x
     flat = keys.reshape(-1)
     folded = jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(keys.shape)
@@ -72,11 +74,13 @@ def fold(x, index, kind):
 
 
 def signature(tree):
+    """A tree's structure with its leaves' shapes and dtypes (to match outputs to arguments)."""
     leaves, structure = jax.tree.flatten(tree)
     return structure, tuple((tuple(jnp.shape(x)), str(getattr(x, "dtype", ""))) for x in leaves)
 
 
 def check_worker_axes(args, masks, names, n, hint):
+    """Raise naming the first per-worker leaf without a leading worker axis of size ``n``."""
     for name, arg, mask in zip(names, args, masks):
         paths = jax.tree_util.tree_leaves_with_path(arg)
         for (path, x), per_worker in zip(paths, jax.tree.leaves(mask)):
@@ -149,7 +153,7 @@ def find_batch(args, masks, keys, names, outputs, n, axis_name):
             sizes[i] = firsts.pop()
     fix = "pass batch_argnums=('<the batch parameter>',)"
     if not sizes:
-        reasons = "; ".join(f"{names[i]!r} {w}" for i, w in why.items())
+        reasons = "; ".join(f"{names[i]!r} {w}" for i, w in why.items() if names[i])
         raise ValueError(f"data_parallel: no argument of the step looks like the batch to split "
                          f"over the {n} workers ({reasons}); {fix}")  # fmt: skip
     if len(set(sizes.values())) > 1:

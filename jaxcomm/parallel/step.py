@@ -159,7 +159,7 @@ def data_parallel(
     one_in_flight = wait_previous
     if one_in_flight is None:
         one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
-    compiled: dict[Any, tuple[set[int], Callable]] = {}
+    compiled: dict[Any, tuple[set[int], Callable, list[str]]] = {}  # batch, step, names
     last: list[Any] = [None]
 
     def make_local(masks, keys):
