@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 import jaxcomm
 from tests.helpers import AXIS, N
 from tests.test_parallel import loss_fn, make_mesh, setup
+from tests.test_registry import REGISTRY
 
 
 def copies(x):
@@ -192,6 +193,27 @@ def test_optax_multisteps_is_an_error_naming_jaxcomm_accumulate():
     for b in batches:
         p, s = make_step(tx)(p, s, b)
     assert_replicated(p)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_no_false_alarm_on_any_registered_transform(name):
+    """The static check passes every jaxcomm transform, and the debug mode finds every
+    replicated copy equal after 2 steps (params, momentum)."""
+    params, batches = setup()
+    params = {"w1": jnp.tile(params["w1"], (1, 4)), "b1": jnp.zeros(256, jnp.float32),
+              "w2": jnp.tile(params["w2"], (4, 1))}  # fmt: skip  # above the min_size of 64
+    mesh = make_mesh(AxisType.Explicit)
+    tx = optax.chain(REGISTRY[name](AXIS), optax.sgd(0.1, momentum=0.9))
+
+    def step(params, opt_state, batch):
+        u, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+        return optax.apply_updates(params, u), opt_state
+
+    f = jaxcomm.data_parallel(step, mesh, check_replicas=True)
+    p, s = params, jaxcomm.init_state(tx, params, mesh)
+    for b in batches[:2]:
+        p, s = f(p, s, b)
+    assert_replicated((p, s[1]))
 
 
 def test_a_per_worker_loss_returned_without_mean_outputs_is_an_error():
