@@ -428,3 +428,23 @@ def test_linen_batch_stats_restore_from_orbax_bit_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x),
                                       err_msg=jax.tree_util.keystr(path))  # fmt: skip
     assert_replicated(restored.batch_stats)
+
+
+def test_a_linen_train_state_without_init_state_is_told_the_linen_fix():
+    from flax.training import train_state
+
+    params, batches = setup()
+    mesh = make_mesh(AxisType.Explicit)
+    tx = topk_tx()
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)  # tx.init
+
+    @jaxcomm.data_parallel(mesh)
+    def step(state, batch):
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params, batch))
+
+    with pytest.raises(
+        ValueError,
+        match=r"^state\.opt_state\[0\]\.count: .*leading worker axis.*"
+        r"state\.replace\(opt_state=jaxcomm\.init_state\(tx, params, mesh\)\)",
+    ):
+        step(state, batches[0])

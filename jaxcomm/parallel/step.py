@@ -154,6 +154,11 @@ def data_parallel(
             return (
                 "Lay out per-worker batch statistics with jaxcomm.parallel.per_worker(tree, mesh)"
             )
+        if any(getattr(k, "name", None) == "opt_state" for k in path):  # a flax TrainState
+            return (
+                "Build the TrainState's optimizer state with "
+                "state.replace(opt_state=jaxcomm.init_state(tx, params, mesh))"
+            )
         return "Build the optimizer state with jaxcomm.init_state(tx, params, mesh)"
 
     one_in_flight = wait_previous
