@@ -231,6 +231,9 @@ def test_dropout_masks_differ_between_workers_and_repeat_for_a_seed():
     b = batches(1)[0]
     masks = np.asarray(step(model, optimizer, b, nnx.Rngs(0)))
     assert len({m.tobytes() for m in masks}) == N
+    for a in range(N):  # independent: about half of the 64 entries agree (shared: all)
+        for c in range(a):
+            assert 0.2 < np.mean(masks[a] == masks[c]) < 0.8, (a, c)
     for w in range(N):  # worker w: its stream key folded with w, then nnx's own draw
         rngs = nnx.Rngs(0)
         rngs.default.key[...] = jax.random.fold_in(rngs.default.key[...], w)

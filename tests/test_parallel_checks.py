@@ -263,6 +263,11 @@ def test_dropout_masks_differ_between_workers_and_repeat_for_a_seed(kind):
         expect = jax.random.bernoulli(jax.random.fold_in(key, w), 0.5, (64,))
         np.testing.assert_array_equal(masks[w], np.asarray(expect))
     assert len({m.tobytes() for m in masks}) == N
+    # independent masks agree on about half of the 64 entries (shared ones on all):
+    # binomial(64, 0.5) lies in (0.2, 0.8) * 64 but with probability ~1e-6
+    for a in range(N):
+        for b in range(a):
+            assert 0.2 < np.mean(masks[a] == masks[b]) < 0.8, (a, b)
     # the key returned unchanged comes back as it was handed in (not folded)
     data = jax.random.key_data if kind == "typed" else np.asarray
     np.testing.assert_array_equal(data(key_back), data(make(7)))
