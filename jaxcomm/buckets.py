@@ -270,19 +270,25 @@ def sum_over(x: jax.Array, axis_name: AxisName, *, gather: bool | None = None) -
     (bf16 in float32), so on fake CPU devices the result is bit for bit
     ``psum``'s (``tests/test_buckets.py``).
     """
-    n = collectives.axis_size(axis_name)
     if gather is None:
-        gather = gathers_sum(_nbytes(x), n)
+        gather = gathers_sum(_nbytes(x), collectives.axis_size(axis_name))
     if not gather:
         return collectives.psum(x, axis_name)
-    gathered = collectives.all_gather(x, axis_name)
-    # worker by worker, bf16 in float32, as XLA:CPU's all-reduce adds (a jnp.sum
-    # over the workers axis is free to add in another order)
-    wide = jnp.float32 if x.dtype == jnp.bfloat16 else None
-    total = gathered[0] if wide is None else gathered[0].astype(wide)
-    for w in range(1, n):
-        total = total + (gathered[w] if wide is None else gathered[w].astype(wide))
-    return total.astype(x.dtype)
+    return sum_rows(collectives.all_gather(x, axis_name))
+
+
+def sum_rows(rows: jax.Array) -> jax.Array:
+    """The sum of ``rows``' leading axis (the workers), as XLA:CPU's all-reduce adds.
+
+    Worker by worker, bf16 in float32 (a ``jnp.sum`` over the axis is free to
+    add in another order): a gathered operand summed here equals its ``psum``
+    bit for bit on fake CPU devices.
+    """
+    wide = jnp.float32 if rows.dtype == jnp.bfloat16 else None
+    total = rows[0] if wide is None else rows[0].astype(wide)
+    for w in range(1, rows.shape[0]):
+        total = total + (rows[w] if wide is None else rows[w].astype(wide))
+    return total.astype(rows.dtype)
 
 
 def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) -> list:

@@ -512,7 +512,10 @@ def compress(
         next gradient (Seide et al. 2014; Karimireddy et al. 2019). The
         residual has the params' shapes and dtypes: one extra model copy.
       min_size: leaves with fewer entries go dense (a plain mean in their own
-        dtype, no residual), as torch's PowerSGD hook does for biases.
+        dtype, no residual), as torch's PowerSGD hook does for biases. They
+        ride in the payload's collective (one collective per bucket) unless
+        gathering them costs more bytes than a collective's latency
+        (:func:`jaxcomm.exchange.dense_rides`).
       key: PRNG key, required when ``compressor.needs_key``.
       scope: ``"leaf"`` compresses each leaf on its own; ``"global"``
         concatenates all compressible leaves into one vector first (e.g.

@@ -322,7 +322,20 @@ These hold for everything built on `jaxcomm.compress`.
   saves memory. DGC's momentum and velocity and PowerSGD's residual follow
   the same rule (`state_dtype=` on `dgc`, `dgc_sgd`, `powersgd`).
 - **Small leaves** (`min_size`, default 1024 entries) are averaged densely
-  in their own dtype, as torch's PowerSGD hook does for biases.
+  in their own dtype, as torch's PowerSGD hook does for biases. They travel
+  in the payload's collective, so a step is one collective per bucket, as
+  torch DDP puts every gradient of a bucket in one: summed payloads (casts'
+  psum, PowerSGD's P) share the all-reduce where the dtype matches; an
+  all-gathered payload (top-k, threshold, DGC, sign codes, the quantisers,
+  casts as uint16 words) carries them as raw words, each worker adding the
+  n copies in worker order (as XLA:CPU's all-reduce adds); the two-phase
+  exchange carries their chunks in its all-to-all and the chunk sums in its
+  all-gather (a ring all-reduce's bytes). Gathering adds
+  `(n-1)(n-2)/n` times their bytes on n workers (none on 2), so they go
+  apart in an all-reduce of their own where that exceeds 64 KiB
+  (`exchange.dense_rides`: one collective's latency times the bandwidth is
+  more on every link in view). The wire report and the compiled HLO show
+  which (`jaxcomm.accounting.wire_report`, `collective_count`).
 - **`scope="global"`** (top-k) selects over all compressible leaves
   together.
 - **Randomness**: the factory's `key` lives in the state and is split every

@@ -290,9 +290,13 @@ def _wire(
     first = {group[0]: gi for gi, group in enumerate(step.groups)}
     summed, gathered = [], []  # (leaf or group id, array)
     dest = summed if compressor.kind == "psum" else gathered
+    # the small leaves ride in the payload's all-gather as raw words (one collective per
+    # bucket) unless gathering them costs more bytes than a collective's latency
+    dense_bytes = sum(step.grads[i].size * step.grads[i].dtype.itemsize for i in step.dense)
+    ride = dest is gathered and step.groups and exchange.dense_rides(n, dense_bytes)
     for i in range(len(step.grads)):
         if i in step.dense:
-            summed.append((("leaf", i), step.grads[i]))
+            (gathered if ride else summed).append((("leaf", i), step.grads[i]))
         if i in first:
             dest.extend((("group", first[i]), x) for x in encoded[first[i]][0])
     if step.groups and not compressor.carries_nonfinite:
@@ -302,6 +306,7 @@ def _wire(
     parts: dict[int, list[jax.Array]] = {gi: [] for gi in range(len(step.groups))}
     for (tag, j), x in zip([t for t, _ in summed] + [t for t, _ in gathered], sums + gath):
         if tag == "leaf":
+            x = buckets.sum_rows(x) if ride else x  # as the all-reduce adds
             outputs[j] = x / jnp.asarray(n, x.dtype)
         elif tag == "flag":
             ok = ~jnp.any(x > 0)
@@ -348,14 +353,14 @@ def two_phase(compressor: Any, step: Step, state: Any, config: Config) -> tuple[
     n = exchange.axis_size(axis_name)
     outputs: list[jax.Array | None] = [None] * len(step.grads)
     dense_ids = sorted(step.dense)
-    sums = buckets.psum([step.grads[i] for i in dense_ids], axis_name, bucket_bytes)
-    for i, x in zip(dense_ids, sums):
-        outputs[i] = x / jnp.asarray(n, x.dtype)
     server_leaves = step.treedef.flatten_up_to(state.server) if ef else None
     servers = [_group_state(server_leaves, g) for g in step.groups]
-    means, own, new_servers, ok = exchange.two_phase(
-        compressor, step.vecs, step.keys, servers, ok, axis_name, bucket_bytes
+    dense = [step.grads[i] for i in dense_ids]  # ride in both phases
+    means, own, new_servers, ok, sums = exchange.two_phase(
+        compressor, step.vecs, step.keys, servers, ok, axis_name, bucket_bytes, dense
     )
+    for i, x in zip(dense_ids, sums):
+        outputs[i] = x / jnp.asarray(n, x.dtype)
     new = (list(step.residuals), list(server_leaves)) if ef else None
     for gi, group in enumerate(step.groups):
         _put_mean(compressor, step, group, means[gi], ok, outputs)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm import accounting, buckets, netsim
+from jaxcomm import accounting, buckets, exchange, netsim
 from jaxcomm.exchange import Collective
 from tests import helpers as H
 from tests.test_registry import REGISTRY
@@ -66,22 +66,22 @@ KEY = jax.random.key(1)
 # transform -> collectives per step with the default bucket size
 EXPECTED = {
     "allreduce": (lambda **kw: jaxcomm.allreduce(axis_name="data", **kw), 1),
-    # one all-gather of every leaf's values + indices, one all-reduce of the 2 small leaves
-    "topk": (lambda **kw: jaxcomm.topk(0.05, axis_name="data", min_size=64, **kw), 2),
+    # one all-gather of every leaf's values + indices, the 2 small leaves riding in it
+    "topk": (lambda **kw: jaxcomm.topk(0.05, axis_name="data", min_size=64, **kw), 1),
     "int8_gather": (
         lambda **kw: jaxcomm.int8(key=KEY, axis_name="data", min_size=64, exchange="gather", **kw),
-        2,
+        1,
     ),
     # the default on 8 workers is two-phase: all-to-all of chunks, all-gather of the chunk
-    # means (+ the NaN flag), all-reduce of the small leaves
-    "int8": (lambda **kw: jaxcomm.int8(key=KEY, axis_name="data", min_size=64, **kw), 3),
+    # means (+ the NaN flag), the small leaves riding in both
+    "int8": (lambda **kw: jaxcomm.int8(key=KEY, axis_name="data", min_size=64, **kw), 2),
     # scales agreed in one pmax; codes + the small leaves (uint32 / f32: two dtypes)
     "terngrad": (lambda **kw: jaxcomm.terngrad(key=KEY, axis_name="data", min_size=64, **kw), 3),
     # key agreement + values and small leaves (all f32)
     "randomk": (lambda **kw: jaxcomm.randomk(0.1, key=KEY, axis_name="data", min_size=64, **kw), 2),
     # P's with the dense leaves, then Q's
     "powersgd": (lambda **kw: jaxcomm.powersgd(2, key=KEY, axis_name="data", **kw), 2),
-    "dgc": (lambda **kw: jaxcomm.dgc(0.05, axis_name="data", min_size=64, **kw), 2),
+    "dgc": (lambda **kw: jaxcomm.dgc(0.05, axis_name="data", min_size=64, **kw), 1),
     "delayed_averaging": (
         lambda **kw: jaxcomm.delayed_averaging(optax.sgd(0.1), delay=0, axis_name="data", **kw),
         1,
@@ -104,6 +104,92 @@ def test_hlo_collective_count_equals_wire_count(name):
     # one operand per bucket; XLA:CPU's all-to-all has one per destination worker
     assert all(c.operands == (H.N if c.kind == "all_to_all" else 1) for c in hlo)
     assert sum(c.nbytes for c in hlo) == jaxcomm.wire_bytes(tx, MANY, H.N)
+
+
+# every codec whose payloads are all-gathered; on 8 workers "auto" picks two-phase for
+# the quantisers and the uint16 cast, the all-gather for the others
+GATHER_PATH = [
+    "cast",  # uint16 words on CPU
+    "topk",
+    "topk:global",
+    "threshold",
+    "randomk:per_worker",
+    "int8",
+    "int8:nearest_ef",
+    "qsgd",
+    "qsgd:s1_ef",
+    "terngrad:gather",
+    "onebit",
+    "onebit:bucket",
+    "ef_sign",
+    "ef_sign:two_phase",
+    "twobit",
+    "dgc",
+    "dgc:no_correction",
+    "dgc_sgd",
+]
+# on 2 workers "auto" is the all-gather; ef_sign:two_phase forces two-phase
+ON_TWO = ["cast", "int8", "ef_sign:two_phase"]
+
+
+@pytest.mark.parametrize(
+    "name, n", [(name, H.N) for name in GATHER_PATH] + [(name, 2) for name in ON_TWO]
+)
+def test_a_gather_path_step_is_one_collective_small_leaves_included(name, n):
+    # MANY has 2 leaves below min_size=64 (the registry's); they ride in the payload's
+    # collective as raw words instead of an all-reduce of their own
+    tx = REGISTRY[name]("data")
+    m = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    g = H.per_worker_grads(MANY, seed=3, n=n)
+    state = H.stack(tx.init(MANY), n)
+    hlo = accounting.hlo_collectives(H.shard_map_compiled(tx, g, state, m=m), n_devices=n)
+    kinds = sorted(c.kind for c in hlo)
+    # one all-gather (one bucket), or the two-phase exchange's two collectives: no
+    # all-reduce of the small leaves beside them
+    assert kinds in (["all_gather"], ["all_gather", "all_to_all"]), kinds
+    assert sum(c.nbytes for c in hlo) == jaxcomm.wire_bytes(tx, MANY, n)
+
+
+def test_small_leaves_riding_in_two_phase_are_the_mean():
+    g = H.per_worker_grads(MANY, seed=4)
+    tx = REGISTRY["int8"]("data")  # two-phase on 8 workers
+    kinds = sorted(c.kind for c in accounting.wire_report(tx, MANY, H.N))
+    assert kinds == ["all_gather", "all_to_all"], kinds
+    out, _ = H.shard_map_update(tx, g, H.stack(tx.init(MANY)))
+    for k in ("bias", "ln"):  # chunks summed in the all-to-all, gathered: the exact mean
+        np.testing.assert_allclose(np.asarray(out[k]), np.asarray(g[k]).mean(0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["topk", "qsgd:s1_ef", "dgc"])
+def test_small_leaves_riding_equal_their_all_reduce(name, monkeypatch):
+    # the mean of a riding small leaf is added worker by worker as XLA:CPU's all-reduce
+    # adds: the same bits as the separate all-reduce (forced here by the rule)
+    g = H.per_worker_grads(MANY, seed=4)
+    tx = REGISTRY[name]("data")
+    ride, _ = H.shard_map_update(tx, g, H.stack(tx.init(MANY)))
+    monkeypatch.setattr(exchange, "dense_rides", lambda n, nbytes: False)
+    tx = REGISTRY[name]("data")
+    fn, sh = H.sharded(tx)
+    apart, _ = fn(jax.device_put(g, sh), jax.device_put(H.stack(tx.init(MANY)), sh))
+    compiled = H.shard_map_compiled(tx, g, H.stack(tx.init(MANY)))
+    kinds = [c.kind for c in accounting.hlo_collectives(compiled)]
+    assert "all_reduce" in kinds  # the rule was followed: the small leaves went apart
+    for k in ("bias", "ln"):
+        np.testing.assert_array_equal(np.asarray(ride[k]), np.asarray(apart[k]))
+        np.testing.assert_allclose(np.asarray(ride[k]), np.asarray(g[k]).mean(0), rtol=1e-6)
+
+
+def test_the_ride_rule_weighs_added_bytes_against_a_collective():
+    assert exchange.dense_rides(2, 10**9)  # on 2 workers gathering adds no bytes
+    bound = exchange.DENSE_RIDE_BYTES
+    # on n workers gathering s receives (n-1)(n-2)/n * s more than a ring all-reduce
+    s8 = bound * 8 // (7 * 6)
+    assert exchange.dense_rides(8, s8) and not exchange.dense_rides(8, s8 + 1)
+    for small, want in ((s8 // 4, ["all_gather"]), (s8 // 4 + 1, ["all_gather", "all_reduce"])):
+        tree = {"small": jnp.zeros((small,)), "big": jnp.zeros((small + 1,))}
+        tx = jaxcomm.topk(0.05, axis_name="data", min_size=small + 1)
+        kinds = sorted(c.kind for c in accounting.wire_report(tx, tree, H.N))
+        assert kinds == want, (small, kinds)
 
 
 def test_per_leaf_exchange_counts_every_operand():

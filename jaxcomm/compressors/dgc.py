@@ -496,10 +496,15 @@ def dgc(
         dense = [i for i in range(len(grads)) if i not in sparse]
         # dense: mean of the momentum = momentum of the mean
         sends = [acc[i].astype(grads[i].dtype) for i in dense]
-        if axis_name is not None:
+        # they ride in the values' all-gather (one collective per bucket) unless gathering
+        # them costs more bytes than a collective's latency (exchange.dense_rides)
+        dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
+        ride = axis_name is not None and bool(sparse) and exchange.dense_rides(n, dense_bytes)
+        if axis_name is not None and not ride:
             sends = buckets.pmean(sends, axis_name, bucket_bytes)
-        for i, send in zip(dense, sends):
-            outputs[i] = send
+        if not ride:
+            for i, send in zip(dense, sends):
+                outputs[i] = send
         vel = {i: (vs[i] + acc[i]).reshape(-1) for i in sparse}
 
         def phase(density: float):
@@ -515,13 +520,18 @@ def dgc(
                     vals = jnp.where(idx < d, v[jnp.minimum(idx, d - 1)], 0)
                     vals = jnp.where(finite, vals, jnp.nan).astype(g.dtype)
                     sent.append((vals, idx))
+                means = []  # of the dense leaves, when they ride
                 if axis_name is None:
                     received = [(vals[None], idx[None]) for vals, idx in sent]
                 else:  # one all-gather per bucket of every leaf's values and indices
                     flat = buckets.all_gather(
-                        [x for pair in sent for x in pair], axis_name, bucket_bytes
+                        [x for pair in sent for x in pair] + (sends if ride else []),
+                        axis_name,
+                        bucket_bytes,
                     )
-                    received = list(zip(flat[::2], flat[1::2]))
+                    pairs, rows = flat[: 2 * len(sent)], flat[2 * len(sent) :]
+                    received = list(zip(pairs[::2], pairs[1::2]))
+                    means = [buckets.sum_rows(x) / jnp.asarray(n, x.dtype) for x in rows]
                 for i, (vals, idx), (g_vals, g_idx) in zip(sparse, sent, received):
                     g, v = grads[i], vel[i]
                     d = v.shape[0]
@@ -538,20 +548,23 @@ def dgc(
                         moms.append(new_u[i].reshape(-1).at[idx].set(0, mode="drop"))
                     elif momentum_correction:
                         moms.append(new_u[i].reshape(-1))
-                return outs, _varying(vels), _varying(moms)
+                return outs, _varying(vels), _varying(moms), means
 
             return run
 
         if sparse:
             runs = [phase(x) for x in distinct]
             if len(runs) == 1:
-                outs, vels, moms = runs[0]()
+                outs, vels, moms, means = runs[0]()
             else:
                 ph = sum((state.count >= b).astype(jnp.int32) for b in bounds)
                 branch = jnp.asarray(branch_of_phase, jnp.int32)[ph]
                 if axis_name is not None:  # identical, and typed invariant, on all workers
                     branch = exchange.agree(branch, axis_name)
-                outs, vels, moms = lax.switch(branch, runs)
+                outs, vels, moms, means = lax.switch(branch, runs)
+            if ride:
+                for i, mean in zip(dense, means):
+                    outputs[i] = mean
             for j, i in enumerate(sparse):
                 outputs[i] = outs[j]
                 new_v[i] = vels[j].reshape(vs[i].shape)
