@@ -1,9 +1,11 @@
-"""The notebooks in colab/ execute top to bottom (quick settings) and are committed clean.
+"""The notebooks in colab/ execute top to bottom and are committed clean.
 
 Each notebook runs in a fresh IPython kernel of *this* interpreter (a kernelspec
 written to a temporary JUPYTER_PATH, so neither a user-level kernel nor the
-PATH's python is picked up), with ``JAXCOMM_QUICK=1`` and the 8-device
-XLA_FLAGS of conftest.py in its environment. A cell that raises fails the test.
+PATH's python is picked up), with the 8-device XLA_FLAGS of conftest.py in its
+environment. A cell that raises fails the test. ``pytest -q`` runs them with
+``JAXCOMM_QUICK=1`` (the same cells and assertions at smaller sizes); the
+``slow`` tests run them as a user does, in full mode (CI runs both).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def test_notebook_is_committed_without_outputs_and_has_a_badge(path):
     assert '"google.colab" in sys.modules' in first_code and "pip" in first_code
 
 
-@pytest.fixture()
-def kernel_env(tmp_path, monkeypatch):
-    """A kernelspec for this interpreter, found first on JUPYTER_PATH; quick settings."""
+@pytest.fixture(params=["quick", pytest.param("full", marks=pytest.mark.slow)])
+def kernel_env(request, tmp_path, monkeypatch):
+    """A kernelspec for this interpreter, found first on JUPYTER_PATH; quick or full mode."""
     spec = tmp_path / "kernels" / KERNEL
     spec.mkdir(parents=True)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
@@ -55,7 +57,10 @@ def kernel_env(tmp_path, monkeypatch):
         json.dumps({"argv": argv, "display_name": KERNEL, "language": "python"})
     )
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
-    monkeypatch.setenv("JAXCOMM_QUICK", "1")
+    if request.param == "quick":
+        monkeypatch.setenv("JAXCOMM_QUICK", "1")
+    else:
+        monkeypatch.delenv("JAXCOMM_QUICK", raising=False)
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
 
 
