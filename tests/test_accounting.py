@@ -32,7 +32,9 @@ def test_wire_bytes_closed_forms(n):
     cast = jaxcomm.wire_bytes(jaxcomm.cast(axis_name="x"), PARAMS, n)
     if jax.default_backend() == "cpu" and n > 2:
         cs = [math.ceil(v / n) for v in d.values()]
-        assert cast == sum(2 * n * c + 2 * c for c in cs) + 1 + DENSE_B
+        # "b" rides in both phases: n chunks of ceil(10/n) fp32 out, one chunk sum back
+        dense = (n + 1) * 4 * math.ceil(10 / n)
+        assert cast == sum(2 * n * c + 2 * c for c in cs) + 1 + dense
     else:
         assert cast == 2 * 8000 + DENSE_B
     # the 16-bit psum: XLA:CPU sums bf16 in f32, 4 bytes per entry
@@ -187,10 +189,10 @@ def test_bf16_collectives_hlo_equals_the_report_on_this_backend():
         assert jaxcomm.accounting.collective_bytes(compiled) == jaxcomm.wire_bytes(tx, params, 8), (
             name
         )
-        if name == "topk":  # the values' all-gather: uint16 words, 2 bytes per value
-            k = math.ceil(0.05 * 4096)
-            gathers = [c for c in hlo if c.kind == "all_gather"]
-            assert sum(c.nbytes for c in gathers) == k * (2 + 4) + GATHER_FLAG
+        if name == "topk":  # the values' all-gather: uint16 words, 2 bytes per value, and
+            k = math.ceil(0.05 * 4096)  # the "b" leaf (below min_size) riding as bf16 words
+            assert [c.kind for c in hlo] == ["all_gather"]
+            assert hlo[0].nbytes == k * (2 + 4) + 64 * 2 + GATHER_FLAG
     # the "b" leaf (below min_size) and the psum are bf16 all-reduces: 4 bytes per entry
     # on XLA:CPU, 2 on GPU/TPU; the report can be made for either
     psum = cases["psum"]
