@@ -74,6 +74,102 @@ def pytest_runtest_call(item):
         )
 
 
+# --- what `pytest -q` leaves to `pytest -q -m slow` -----------------------------------
+# Tests that take minutes in all, each marked slow here in one list (CI runs both sets):
+# processes (gloo, shaped links, kill -9), long training runs, notebooks in full mode
+# (tests/test_notebooks.py marks those), benches and the PyTorch side-by-side.
+SLOW_MODULES = {
+    "test_distributed.py",  # real processes, kill -9 and resume
+    "test_advise.py",  # times every method's step beside the no-exchange step
+    "test_compare.py",  # the main job's runs
+    "test_convergence.py",
+    "test_convergence_quant.py",
+    "test_step_parts.py",
+    "test_bench.py",
+    "test_peers.py",  # PyTorch DDP beside jaxcomm, in processes
+    "test_netlab.py",  # shaped links in network namespaces
+}
+SLOW_TESTS = {
+    "test_parallel.py": {
+        "test_two_processes_helper_equals_hand_written_and_restores_bit_exactly",
+        "test_a_long_loop_without_blocking_completes",
+    },
+    "test_train.py": {
+        "test_one_step",
+        "test_resume_equals_uninterrupted",
+        "test_auto_records_its_choice_and_a_resumed_run_replays_it",
+        "test_damaged_newest_checkpoint_falls_back_to_previous",
+        "test_checkpoint_round_trip_bit_exact",
+    },
+    "test_policy.py": {"test_the_default_candidates_run_and_dense_is_among_them"},
+    "test_two_phase.py": {"test_two_phase_emits_one_operand_per_collective_for_a_63_leaf_tree"},
+    "test_sparse.py": {
+        "test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class",
+        "test_threshold_sends_nine_tenths_of_the_true_topk_on_structured_gradients",
+    },
+    "test_notebooks.py": {"test_notebook_executes"},  # quick and full mode: minutes
+    "test_examples.py": {
+        "test_the_example_learns",
+        "test_the_nnx_example_restores_from_orbax_bit_exactly",
+        "test_the_compressor_state_is_per_worker",
+        "test_the_nnx_examples_batch_norm_statistics_are_equal_on_every_device",
+    },
+    "test_buckets.py": {
+        "test_buckets_are_written_as_words_in_place",
+        "test_a_payload_larger_than_a_bucket_is_not_copied_into_one",
+        "test_small_leaves_riding_in_two_phase_are_the_mean",
+        "test_small_leaves_riding_equal_their_all_reduce",
+    },
+    "test_dgc.py": {
+        "test_convergence_on_digits_at_999_sparsity_within_one_point_of_momentum_sgd",
+        "test_tied_magnitudes_still_fill_the_payload_and_rotate",
+        "test_masking_zeroes_u_and_v_at_sent_positions",
+    },
+    "test_flax.py": {"test_batch_stats_per_worker_average_to_the_mean_mode"},
+    "test_topology.py": {"test_hierarchical_buckets_are_bit_identical_to_per_leaf"},
+    "test_sign.py": {
+        "test_bf16_updates_keep_dtype_and_match_f32",
+        "test_twobit_residual_invariant",
+    },
+    "test_powersgd.py": {
+        "test_convergence_on_digits_within_one_point_of_sgd",
+        "test_batched_equals_unbatched",
+    },
+    "test_sync.py": {"test_local_sgd_and_diloco_every_8_within_two_points_of_synchronous_sgd"},
+    "test_optim.py": {"test_zero_one_adam_reaches_dense_adams_accuracy_on_digits"},
+}
+# parametrized tests whose other cases are slow: these cases (`name`, else the case's
+# id) stay in `pytest -q`
+FAST_CASES = {
+    "test_bucketed_updates_bit_identical_to_per_leaf": {"allreduce", "topk"},
+    "test_a_gather_path_step_is_one_collective_small_leaves_included": {"topk", "cast"},
+    "test_hlo_collective_count_equals_wire_count": {"allreduce", "topk"},
+    "test_error_feedback_telescopes": {"topk", "ef_sign", "onebit"},
+}
+# The property tests over every registry entry (tests/test_registry.py's REGISTRY) run
+# all of them under -m slow; `pytest -q` runs a few (dense, a cast, a sparsifier, a
+# quantiser, a sign code, PowerSGD), the cheapest of their families to compile.
+REGISTRY_SWEEPS = {"test_registry.py", "test_buckets.py", "test_parallel_checks.py"}
+FAST_ENTRIES = {"allreduce", "cast", "topk", "int8:nearest_ef", "ef_sign", "powersgd"}
+
+
+def _is_slow(item) -> bool:
+    module = item.path.name
+    if module in SLOW_MODULES or item.originalname in SLOW_TESTS.get(module, ()):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if item.originalname in FAST_CASES and params:
+        case = params.get("name", item.callspec.id)
+        return case not in FAST_CASES[item.originalname]
+    return module in REGISTRY_SWEEPS and params.get("name", "allreduce") not in FAST_ENTRIES
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_configure(config):
     # --golden-strict=save starts a fresh digests file (in the controller, not in each
     # xdist worker: the workers append to it)
