@@ -137,6 +137,7 @@ SLOW_TESTS = {
     },
     "test_sync.py": {"test_local_sgd_and_diloco_every_8_within_two_points_of_synchronous_sgd"},
     "test_optim.py": {"test_zero_one_adam_reaches_dense_adams_accuracy_on_digits"},
+    "test_peers_report.py": {"test_each_configuration_builds_and_steps"},
 }
 # parametrized tests whose other cases are slow: these cases (`name`, else the case's
 # id) stay in `pytest -q`

@@ -160,3 +160,23 @@ def test_powersgd_world2_breakage_disagrees(torch_group, breakage):
     }[breakage]
     c = tp.compare_powersgd_group(t, tp.jaxcomm_powersgd_group(_SHAPES, **_GROUP, **kw))
     assert max(c["output_max_abs_diff"]) > 100 * _tol(c), c
+
+
+def test_digits_twins_same_loss_and_size():
+    """The bench's ``digits`` model (64-256-10, tanh) in both frameworks."""
+    from experiments.bench import peers
+
+    kw, shape = tp.MODELS["digits"]
+    net = tp.torch_model("digits")
+    _, params, _ = peers._model("digits")
+    assert sum(p.numel() for p in net.parameters()) == 19210
+    assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params)) == 19210
+    lj, lt = _losses(models.build(**kw), net, shape)
+    np.testing.assert_allclose(lt, lj, rtol=1e-5)
+
+
+def test_every_torch_configuration_has_a_jaxcomm_twin_of_the_same_name():
+    from experiments.bench import peers, peers_report
+
+    assert set(tp.CONFIGS) <= set(peers_report.JAX_CONFIGS)
+    assert set(peers.DEFAULT_CONFIGS) <= set(tp.CONFIGS)

@@ -9,18 +9,50 @@ Parts (``--part``, default all):
   timed steps (must be 0 up to float summation order).
 * ``peers``: real processes (gloo on CPU, one CPU device and one intra-op
   thread each), started by ``experiments.launch`` on loopback and, with
-  ``--rates`` (as root), on the network lab's shaped links. The same MLP
-  (64-1024-1024-10, 1.12M params) and ResNet-18 (11.2M params, 8x8 inputs)
-  built the same way in both frameworks (``experiments.bench.torch_peers``), the
-  same batch per rank, SGD. DDP's default all-reduce and its
-  ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook`` (rank 2,
-  start_powerSGD_iter 2, min_compression_rate 2, error feedback and warm
-  start; one DDP bucket, ``bucket_cap_mb=1000``, because the hook fails on
-  gloo with several) vs ``jaxcomm.allreduce()``, ``cast(float16)``,
-  ``cast(bfloat16)``, ``powersgd(2, start_iter=2)``. Per configuration: step
-  time median and spread, wire bytes per step (jaxcomm:
-  ``jaxcomm.wire_bytes``; torch: the bytes its hook hands to
-  ``dist.all_reduce``), jaxcomm/torch ratios.
+  ``--rates`` (as root), on the network lab's shaped links (tbf). Models
+  (``experiments.bench.torch_peers.MODELS``), built the same way in both
+  frameworks: the MLP 64-1024-1024-10 (1.12M params), the digits MLP
+  64-256-10 (tanh, 19,210 params, ``digits``) and ResNet-18 (11.2M params,
+  8x8 inputs); the same batch per rank (``--batch``), SGD. Configurations
+  are paired by name; what each is, exactly, is :data:`JAX_CONFIGS` (stored
+  in every cell's ``what``) and ``torch_peers.CONFIGS``; a name the other side lacks is
+  shown as "—":
+
+  ==============  ==========================================  ===========================
+  name            jaxcomm (``optax.chain(tx, optax.sgd)``)    torch
+  ==============  ==========================================  ===========================
+  nocomm          no tx: each worker applies its own          the plain module, no DDP
+                  gradient (params kept per worker)           wrapper, no all-reduce
+  allreduce       ``allreduce()``                             DDP's default all-reduce
+  fp16, bf16      ``cast(dtype, accumulate="psum")`` (what    ``fp16_compress_hook``,
+                  the tables before measured; on CPU it       ``bf16_compress_hook``
+                  moves 4 bytes per entry)
+  fp16_default,   ``cast(dtype)``, every default (CPU: the    —
+  bf16_default    uint16 words all-gathered, summed in fp32;
+                  leaves below min_size ride along)
+  ef_sign         ``ef_sign()``                               —
+  topk            ``topk(0.01)``                              —
+  threshold       ``threshold(0.01)``                         —
+  powersgd        ``powersgd(2, start_iter=2)``               ``powerSGD_hook`` rank 2
+  ==============  ==========================================  ===========================
+
+  (every jaxcomm transform with ``axis_name="data"`` and its default
+  ``min_size``; PowerSGD in both: start_iter 2, min_compression_rate 2,
+  error feedback, warm start; torch's hook runs with one DDP bucket,
+  ``bucket_cap_mb=1000``, because it fails on gloo with several.)
+  ``--repeats=R`` launches each framework R times per cell, alternating
+  torch and jaxcomm, the order of the configurations rotated by one each
+  time; a cell reports per configuration the median of the R per-launch
+  median step times and their range (min-max), wire bytes per step
+  (jaxcomm: ``jaxcomm.wire_bytes``, and the collectives and bytes read from
+  the compiled HLO; torch: the bytes its hook hands to ``dist.all_reduce``).
+  The step table (``summarise(...)["steps"]``) gives, per (tag, network,
+  processes, model) and configuration, the step time in each framework and
+  the step minus that framework's ``nocomm`` step (ms), plus the ratios
+  jaxcomm ``bf16_default`` / jaxcomm ``allreduce`` and jaxcomm
+  ``bf16_default`` / torch ``bf16``. ``--tag`` (e.g. ``before``, ``after``)
+  is stored in each cell and keys it, so runs of two code versions sit in
+  one JSON and the report prints them side by side.
 * ``agree``: torch's ``powerSGD_hook`` and ``jaxcomm.powersgd`` (torch's
   matrix view) from the same Q on the same gradients of both models' torch
   layout, 5 steps (2 dense + 3 PowerSGD): max |difference| of outputs, Q and
@@ -34,11 +66,35 @@ Parts (``--part``, default all):
 
 Quote ratios measured in one run, not absolute times: the machine is shared.
 
-  python -m experiments.bench.peers                                # loopback, ~15 min
+  python -m experiments.bench.peers --repeats=1                    # loopback, ~15 min
   python -m experiments.bench.peers --part=peers --rates=100mbit,1gbit   # as root
   python -m experiments.bench.peers --report                       # tables from the JSON
 
-Writes ``experiments/results/peers.json``. Needs torch (CPU build):
+The one-collective comparison (the small dense leaves inside the compressed
+payload's all-gather), as root, once per code version: ~20 min per version on 2 busy
+cores, nearly all of it start-up and compiles (one torch and one jaxcomm
+launch of these nine configurations took 100 s with ``--reps=2``: 3
+networks x 3 repeats of that is 15 min), plus ~1 min of steps at
+10 Mbit/s (dense fp32 moves 77 KB a step, ~60 ms)::
+
+  python -m experiments.bench.peers --part=peers --models=digits --procs=2 \
+      --configs=nocomm,allreduce,bf16,bf16_default,fp16,ef_sign,topk,threshold,powersgd \
+      --rates=100mbit,10mbit --repeats=3 --reps=50 --warmup=5 --tag=after \
+      --out=experiments/results/peers_one_collective.json
+  python -m experiments.bench.peers --report --out=experiments/results/peers_one_collective.json
+
+The library before the change with this bench: a worktree of the merge's
+first parent with these two files copied in, run from its root (the launched
+processes import ``jaxcomm`` from the working directory first), the same
+command with ``--tag=before`` and ``--out`` the absolute path of the same JSON::
+
+  git worktree add /tmp/before f8f2e0c^1
+  cp experiments/bench/peers.py experiments/bench/torch_peers.py /tmp/before/experiments/bench/
+  cd /tmp/before && python -m experiments.bench.peers ... --tag=before \
+      --out=/work/main/experiments/results/peers_one_collective.json
+
+Writes ``experiments/results/peers.json`` (``--out``); a new cell replaces the
+one of the same (tag, model, processes, network). Needs torch (CPU build):
 ``pip install -e ".[peers]" --extra-index-url https://download.pytorch.org/whl/cpu``.
 """
 
@@ -53,7 +109,18 @@ import time
 
 import numpy as np
 
-CONFIGS = ("allreduce", "fp16", "bf16", "powersgd")
+from experiments.bench.peers_report import (
+    CONFIGS,
+    JAX_CONFIGS,
+    add_cell,
+    merge_runs,
+    print_cell,
+    print_summary,
+    summarise,
+    write_json,
+)
+
+DEFAULT_CONFIGS = ("nocomm", "allreduce", "fp16", "bf16", "powersgd")
 _TORCH_MISSING = (
     'torch is not installed: pip install -e ".[peers]" '
     "--extra-index-url https://download.pytorch.org/whl/cpu"
@@ -69,19 +136,35 @@ def have_torch() -> bool:
 
 
 def _jaxcomm_tx(cfg: str, *, axis_name="data", steady: bool = False):
+    """The transform of ``JAX_CONFIGS[cfg]`` (None for ``nocomm``); ``steady``: PowerSGD
+    from step 0, for its steady-state wire bytes."""
     import jax
     import jax.numpy as jnp
 
     import jaxcomm
     from experiments.bench.torch_peers import POWERSGD
 
+    if cfg not in JAX_CONFIGS:
+        raise ValueError(f"unknown configuration {cfg!r}; choose from {list(JAX_CONFIGS)}")
+    if cfg == "nocomm":
+        return None
     if cfg == "allreduce":
         return jaxcomm.allreduce(axis_name=axis_name)
     if cfg in ("fp16", "bf16"):
         # the psum, as the committed tables measured (the CPU default since is the
-        # uint16 words: accumulate="auto")
+        # uint16 words: accumulate="auto", the *_default configurations)
         dtype = jnp.float16 if cfg == "fp16" else jnp.bfloat16
         return jaxcomm.cast(dtype, axis_name=axis_name, accumulate="psum")
+    if cfg in ("fp16_default", "bf16_default"):
+        return jaxcomm.cast(
+            jnp.float16 if cfg == "fp16_default" else jnp.bfloat16, axis_name=axis_name
+        )
+    if cfg == "ef_sign":
+        return jaxcomm.ef_sign(axis_name=axis_name)
+    if cfg == "topk":
+        return jaxcomm.topk(0.01, axis_name=axis_name)
+    if cfg == "threshold":
+        return jaxcomm.threshold(0.01, axis_name=axis_name)
     return jaxcomm.powersgd(
         POWERSGD["rank"],
         key=jax.random.key(0),
@@ -104,8 +187,22 @@ def _model(name: str):
     return model, v["params"], v.get("batch_stats", {})
 
 
-def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False, donate=True):
-    """jit(shard_map(step)): per-worker grads (pcast), exchange by ``tx`` (or a hand pmean)."""
+def _train_step(
+    model,
+    tx,
+    mesh,
+    has_bn: bool,
+    *,
+    hand_pmean: bool = False,
+    donate=True,
+    per_worker: bool = False,
+):
+    """jit(shard_map(step)): per-worker grads (pcast), exchange by ``tx`` (or a hand pmean).
+
+    ``per_worker``: params enter and leave per worker (a leading worker axis, like the
+    optimizer state), for a ``tx`` with no exchange (``nocomm``): each worker applies its
+    own gradient and the step has no collective.
+    """
     import jax
     import optax
     from jax.sharding import PartitionSpec as P
@@ -115,7 +212,10 @@ def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False, dona
     def step(params, bstats, opt_state, x, y):
         first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
         bstats, opt_state, x, y = first(bstats), first(opt_state), x[0], y[0]
-        local = jax.lax.pcast(params, "data", to="varying")
+        if per_worker:
+            params = local = first(params)
+        else:
+            local = jax.lax.pcast(params, "data", to="varying")
 
         def loss_fn(p):
             if has_bn:
@@ -134,13 +234,30 @@ def _train_step(model, tx, mesh, has_bn: bool, *, hand_pmean: bool = False, dona
             updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         add = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
-        return params, add(bs), add(opt_state)
+        return (add(params) if per_worker else params), add(bs), add(opt_state)
 
-    specs = (P(), P("data"), P("data"), P("data"), P("data"))
+    p_spec = P("data") if per_worker else P()
+    specs = (p_spec, P("data"), P("data"), P("data"), P("data"))
     return jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(P(), P("data"), P("data"))),
+        jax.shard_map(step, mesh=mesh, in_specs=specs, out_specs=(p_spec, P("data"), P("data"))),
         donate_argnums=(0, 1, 2) if donate else (),
     )
+
+
+def build_step(cfg: str, model, params0, bstats0, mesh, glob, replicate):
+    """The step of ``JAX_CONFIGS[cfg]`` and its initial ``[params, batch_stats, opt_state]``.
+
+    ``glob(tree)`` places this process's per-worker values (a leading worker axis,
+    sharded over "data"); ``replicate(tree)`` places replicated ones. ``nocomm`` keeps
+    params per worker (``glob``), every other configuration replicated.
+    """
+    import optax
+
+    inner = _jaxcomm_tx(cfg)
+    tx = optax.sgd(0.01) if inner is None else optax.chain(inner, optax.sgd(0.01))
+    fn = _train_step(model, tx, mesh, bool(bstats0), per_worker=inner is None)
+    params = glob(params0) if inner is None else replicate(params0)
+    return fn, [params, glob(bstats0), glob(tx.init(params0))]
 
 
 def _spread(times):
@@ -250,24 +367,19 @@ def jax_worker(model_name: str, configs: list[str], batch: int, warmup: int, rep
     glob = lambda t: jax.tree.map(  # noqa: E731
         lambda a: jax.make_array_from_process_local_data(sh, np.asarray(a)[None]), t
     )
+    replicate = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: jax.make_array_from_process_local_data(rep_sh, np.asarray(a)), t
+    )
     x, y = make_batch(model_name, jax.process_index(), batch)
     x, y = glob(x), glob(y)
     result = {"model": model_name, "world": n, "configs": {}}
     result["params"] = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params0))
+    result["what"] = {cfg: JAX_CONFIGS[cfg] for cfg in configs}
     for cfg in configs:
-        import optax
-
-        tx = optax.chain(_jaxcomm_tx(cfg), optax.sgd(0.01))
-        fn = _train_step(model, tx, mesh, bool(bstats0))
-        st = [
-            jax.tree.map(
-                lambda a: jax.make_array_from_process_local_data(rep_sh, np.asarray(a)), params0
-            ),
-            glob(bstats0),
-            glob(tx.init(params0)),
-        ]
+        fn, st = build_step(cfg, model, params0, bstats0, mesh, glob, replicate)
         compiled = fn.lower(*st, x, y).compile()
         hlo_bytes = jaxcomm.accounting.collective_bytes(compiled)
+        hlo_count = jaxcomm.accounting.collective_count(compiled)
         times = []
         for i in range(warmup + reps):
             t0 = time.perf_counter()
@@ -275,10 +387,12 @@ def jax_worker(model_name: str, configs: list[str], batch: int, warmup: int, rep
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         steady = _jaxcomm_tx(cfg, steady=True)
+        p = jax.tree.map(jnp.asarray, params0)
         result["configs"][cfg] = dict(
             step_s=_spread(times),
-            wire_bytes=jaxcomm.wire_bytes(steady, jax.tree.map(jnp.asarray, params0), n),
+            wire_bytes=0 if steady is None else jaxcomm.wire_bytes(steady, p, n),
             hlo_collective_bytes=hlo_bytes,
+            hlo_collectives=hlo_count,
         )
     if jax.process_index() == 0:
         with open(out, "w") as f:
@@ -319,13 +433,25 @@ def peers_part(
     batch,
     warmup,
     reps,
-    configs=CONFIGS,
+    configs=DEFAULT_CONFIGS,
+    repeats: int = 1,
+    tag: str | None = None,
     on_cell=None,
     loopback: bool = True,
 ) -> list[dict]:
-    """Cells of (network, processes, model); ``on_cell(cell)`` after each (to save as it goes)."""
-    from experiments import netlab
+    """Cells of (network, processes, model); ``on_cell(cell)`` after each (to save as it goes).
 
+    Each framework is launched ``repeats`` times per cell, torch and jaxcomm in turn, the
+    configurations rotated by one each time (none always first); :func:`merge_runs` turns
+    the launches into the cell's numbers. torch runs the configurations it has
+    (``torch_peers.CONFIGS``), jaxcomm all of them.
+    """
+    from experiments import netlab
+    from experiments.bench.torch_peers import CONFIGS as TORCH_CONFIGS
+
+    unknown = [c for c in configs if c not in JAX_CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; choose from {list(JAX_CONFIGS)}")
     cells = []
     for rate in ([None] if loopback else []) + list(rates):
         for n in procs:
@@ -334,31 +460,31 @@ def peers_part(
                 lab.open()
             try:
                 for name in model_names:
-                    cell = {"model": name, "processes": n, "network": rate or "loopback"}
+                    cell = {"tag": tag, "model": name, "processes": n}
+                    cell.update(network=rate or "loopback", repeats=repeats)
+                    runs = {"torch": [], "jaxcomm": []}
                     common = [f"--batch={batch}", f"--warmup={warmup}", f"--reps={reps}"]
-                    with tempfile.TemporaryDirectory() as d:
-                        t_out, j_out = os.path.join(d, "torch.json"), os.path.join(d, "jax.json")
-                        env = {"GLOO_SOCKET_IFNAME": "lab0"} if lab is not None else {}
-                        argv = [
-                            sys.executable,
-                            "-m",
-                            "experiments.bench.torch_peers",
-                            f"--model={name}",
-                            *common,
-                        ]
-                        _launch(
-                            argv + [f"--configs={','.join(configs)}", f"--out={t_out}"], n, lab, env
+                    env = {"GLOO_SOCKET_IFNAME": "lab0"} if lab is not None else {}
+                    for r in range(repeats):
+                        order = list(configs[r % len(configs) :]) + list(
+                            configs[: r % len(configs)]
                         )
-                        argv = [sys.executable, "-m", "experiments.bench.peers", "--worker=jax"]
-                        argv += [f"--models={name}", *common]
-                        _launch(
-                            argv + [f"--configs={','.join(configs)}", f"--worker_out={j_out}"],
-                            n,
-                            lab,
-                            _single_thread_env(),
-                        )
-                        cell["torch"] = json.load(open(t_out))
-                        cell["jaxcomm"] = json.load(open(j_out))
+                        t_cfgs = [c for c in order if c in TORCH_CONFIGS]
+                        with tempfile.TemporaryDirectory() as d:
+                            t_out, j_out = os.path.join(d, "t.json"), os.path.join(d, "j.json")
+                            if t_cfgs:
+                                argv = [sys.executable, "-m", "experiments.bench.torch_peers"]
+                                argv += [f"--model={name}", *common]
+                                argv += [f"--configs={','.join(t_cfgs)}", f"--out={t_out}"]
+                                _launch(argv, n, lab, env)
+                                runs["torch"].append(json.load(open(t_out)))
+                            argv = [sys.executable, "-m", "experiments.bench.peers"]
+                            argv += ["--worker=jax", f"--models={name}", *common]
+                            argv += [f"--configs={','.join(order)}", f"--worker_out={j_out}"]
+                            _launch(argv, n, lab, _single_thread_env())
+                            runs["jaxcomm"].append(json.load(open(j_out)))
+                    cell["torch"] = merge_runs(runs["torch"])
+                    cell["jaxcomm"] = merge_runs(runs["jaxcomm"])
                     cells.append(cell)
                     print_cell(cell)
                     if on_cell is not None:
@@ -367,87 +493,6 @@ def peers_part(
                 if lab is not None:
                     lab.close()
     return cells
-
-
-def print_cell(cell: dict) -> None:
-    t, j = cell["torch"]["configs"], cell["jaxcomm"]["configs"]
-    print(
-        f"\n{cell['model']}, {cell['processes']} processes, {cell['network']} "
-        f"(step ms median [IQR], bytes per step per worker)"
-    )
-    print(
-        f"{'config':10s} {'torch DDP':>18s} {'jaxcomm':>18s} {'jax/torch':>9s} "
-        f"{'torch B':>10s} {'jaxcomm B':>10s}"
-    )
-    for cfg in CONFIGS:
-        if cfg not in t or cfg not in j:
-            continue
-        ts, js = t[cfg]["step_s"], j[cfg]["step_s"]
-        print(
-            f"{cfg:10s} {ts['median'] * 1e3:9.1f} [{ts['iqr'] * 1e3:5.1f}] "
-            f"{js['median'] * 1e3:9.1f} [{js['iqr'] * 1e3:5.1f}] "
-            f"{js['median'] / ts['median']:8.2f}x "
-            f"{t[cfg]['wire_bytes']:10.0f} {j[cfg]['wire_bytes']:10.0f}",
-            flush=True,
-        )
-
-
-def summarise(cells: list[dict]) -> dict:
-    """Speedups of each compressed configuration vs dense fp32 and vs bf16, per framework."""
-    out = {"rows": [], "wins": {}}
-    for fw in ("torch", "jaxcomm"):
-        # a "clear" win is >= 10% faster: the step times' spread on shared cores is about that
-        wins = {"vs_fp32": 0, "vs_bf16": 0, "clear_vs_fp32": 0, "clear_vs_bf16": 0, "total": 0}
-        for cell in cells:
-            c = cell[fw]["configs"]
-            if "allreduce" not in c:
-                continue
-            dense, bf16 = (
-                c["allreduce"]["step_s"]["median"],
-                c.get("bf16", {}).get("step_s", {}).get("median"),
-            )
-            for cfg in ("fp16", "bf16", "powersgd"):
-                if cfg not in c:
-                    continue
-                s = c[cfg]["step_s"]["median"]
-                row = dict(
-                    framework=fw,
-                    model=cell["model"],
-                    processes=cell["processes"],
-                    network=cell["network"],
-                    config=cfg,
-                    speedup_vs_fp32=dense / s,
-                    speedup_vs_bf16=(bf16 / s) if bf16 else None,
-                )
-                out["rows"].append(row)
-                if cfg != "bf16":
-                    wins["total"] += 1
-                    wins["vs_fp32"] += dense > s
-                    wins["vs_bf16"] += bool(bf16) and bf16 > s
-                    wins["clear_vs_fp32"] += dense > 1.1 * s
-                    wins["clear_vs_bf16"] += bool(bf16) and bf16 > 1.1 * s
-        out["wins"][fw] = wins
-    return out
-
-
-def print_summary(summary: dict) -> None:
-    print("\nspeedup of the step (time of baseline / time of config), per framework")
-    for r in summary["rows"]:
-        b = r["speedup_vs_bf16"]
-        print(
-            f"{r['framework']:8s} {r['model']:9s} n={r['processes']} {r['network']:9s} "
-            f"{r['config']:9s} "
-            f"vs fp32 {r['speedup_vs_fp32']:5.2f}x  vs bf16 {b:5.2f}x"
-        )
-    for fw, w in summary["wins"].items():
-        print(
-            f"{fw}: fp16/PowerSGD faster than dense fp32 in {w['vs_fp32']} of {w['total']} "
-            f"configurations, faster than bf16 all-reduce in {w['vs_bf16']} of {w['total']}; "
-            f"by >= 10%: {w['clear_vs_fp32']} and {w['clear_vs_bf16']}"
-        )
-
-
-# --- part c: what a 16-bit all-reduce costs -------------------------------------------------
 
 
 def castcost_worker(d: int, reps: int, out: str) -> None:
@@ -680,8 +725,12 @@ def define_flags() -> None:
     flags.DEFINE_list(
         "rates", [], "shaped link rates for the peers part (root), e.g. 100mbit,1gbit"
     )
-    flags.DEFINE_list("configs", list(CONFIGS), "configurations of the peers part")
+    flags.DEFINE_list(
+        "configs", list(DEFAULT_CONFIGS), f"configurations of the peers part, of {list(CONFIGS)}"
+    )
     flags.DEFINE_bool("loopback", True, "peers: loopback cells too (--noloopback: --rates only)")
+    flags.DEFINE_integer("repeats", 3, "peers: launches per framework and cell", lower_bound=1)
+    flags.DEFINE_string("tag", None, "peers: stored in each cell and keying it (before, after)")
     flags.DEFINE_integer("reps", 10, "timed steps per configuration")
     flags.DEFINE_integer("warmup", 3, "untimed steps first (>= 2: PowerSGD starts at step 2)")
     flags.DEFINE_integer("batch", 32, "examples per worker per step")
@@ -733,14 +782,11 @@ def main(argv) -> None:
         if F.part in ("all", "castcost"):
             results["castcost"] = castcost_part(procs, F.castcost_d, F.reps)
         if F.part in ("all", "peers"):
-            key = lambda c: (c["model"], c["processes"], c["network"])  # noqa: E731
 
-            def merge(cell):  # a new cell replaces the old one; the JSON is written at once
+            def merge(cell):  # the JSON is written at once
                 cell["command"] = cmd
-                results["peers"] = [c for c in results.get("peers", []) if key(c) != key(cell)]
-                results["peers"].append(cell)
-                results["peers_summary"] = summarise(results["peers"])
-                _write(F.out, results)
+                add_cell(results, cell)
+                write_json(F.out, results)
 
             peers_part(
                 F.models,
@@ -750,20 +796,14 @@ def main(argv) -> None:
                 warmup=F.warmup,
                 reps=F.reps,
                 configs=F.configs,
+                repeats=F.repeats,
+                tag=F.tag,
                 on_cell=merge,
                 loopback=F.loopback,
             )
             print_summary(results["peers_summary"])
-    _write(F.out, results)
+    write_json(F.out, results)
     print(f"wrote {F.out}")
-
-
-def _write(path: str, results: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

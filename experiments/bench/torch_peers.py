@@ -15,7 +15,8 @@ is one rank of ``torch.distributed`` (gloo, ``env://``). It reads the
 variables ``experiments.launch`` sets for JAX (``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) when ``MASTER_ADDR`` & co. are not
 set, so the same launcher (loopback or the network lab) starts both
-frameworks. It times DDP training steps with the default all-reduce and the
+frameworks. It times the training steps of :data:`CONFIGS`: the plain module
+with no exchange (``nocomm``), DDP with its default all-reduce and with the
 ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` comm
 hooks, and counts the bytes each hook hands to ``dist.all_reduce``. Rank 0
 writes the result JSON.
@@ -162,12 +163,26 @@ def load_flax(model: nn.Module, params: dict) -> nn.Module:
 # name -> (flax kwargs for experiments.models.build, input shape NHWC or (features,))
 MODELS = {
     "mlp": (dict(name="mlp", num_classes=10, hidden=1024, depth=2), (64,)),
+    # the digits MLP (experiments/digits.py's shape): 64-256-10, tanh, 19,210 params
+    "digits": (dict(name="mlp", num_classes=10, hidden=256, depth=1), (64,)),
     "resnet18": (
         dict(name="resnet", num_classes=10, stages=(64, 128, 256, 512), blocks=2),
         (8, 8, 3),
     ),
 }
 POWERSGD = dict(rank=2, start_iter=2, min_compression_rate=2.0)  # both frameworks
+# the torch side's configurations (name -> what the step is); the jaxcomm side's are
+# experiments.bench.peers.JAX_CONFIGS, paired by name
+CONFIGS = {
+    "nocomm": "the plain module, no DDP wrapper: each rank applies its own gradient (no "
+    "all-reduce, no reducer hooks); the same SGD",
+    "allreduce": "DDP's default: fp32 all-reduce of its gradient buckets (25 MB cap)",
+    "fp16": "DDP + fp16_compress_hook: g/n in fp16, one all-reduce per bucket",
+    "bf16": "DDP + bf16_compress_hook (registered under another name: DDP refuses that "
+    "name without NCCL): g/n in bf16, one all-reduce per bucket",
+    "powersgd": "DDP + powerSGD_hook: rank 2, start_powerSGD_iter 2, min_compression_rate "
+    "2, error feedback, warm start; one bucket (bucket_cap_mb=1000)",
+}
 
 
 def torch_model(name: str) -> nn.Module:
@@ -719,9 +734,14 @@ def run_worker(model_name: str, configs: list[str], batch_size: int, warmup: int
     xt, yt = to_torch_input(x), torch.from_numpy(y).long()
     n_params = sum(p.numel() for p in torch_model(model_name).parameters())
     out = {"model": model_name, "world": world, "params": n_params, "configs": {}}
+    out["what"] = {cfg: CONFIGS[cfg] for cfg in configs}
     for cfg in configs:
         torch.manual_seed(0)
         net = torch_model(model_name)
+        if cfg == "nocomm":  # the same step with no exchange: the plain module
+            out["configs"][cfg] = _time_steps(net, xt, yt, warmup, reps, dist)
+            out["configs"][cfg].update(wire_bytes=0, all_reduce_calls=0, buckets=None)
+            continue
         kw = {}
         if cfg == "powersgd":  # torch's hook fails on gloo with more than one bucket
             kw["bucket_cap_mb"] = 1000
@@ -747,34 +767,43 @@ def run_worker(model_name: str, configs: list[str], batch_size: int, warmup: int
                 warm_start=True,
             )
             ddp.register_comm_hook(state, ph.powerSGD_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-        def step(ddp=ddp, opt=opt):
-            opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(ddp(xt), yt)
-            loss.backward()
-            opt.step()
-            return loss
-
-        for _ in range(warmup):
-            step()
-        times, counter = [], _ByteCounter()
+        counter = _ByteCounter()
         with counter:
-            for _ in range(reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
+            res = _time_steps(ddp, xt, yt, warmup, reps, dist, counter)
         # the default path all-reduces the fp32 buckets inside the reducer (no hook to count)
-        wire = counter.bytes / reps if cfg != "allreduce" else 4 * n_params
-        out["configs"][cfg] = dict(
-            step_s=spread(times),
-            wire_bytes=wire,
+        res.update(
+            wire_bytes=counter.bytes / reps if cfg != "allreduce" else 4 * n_params,
             all_reduce_calls=counter.calls / reps if cfg != "allreduce" else None,
             buckets=len(state.q_memory_dict) if state is not None else None,
         )
+        out["configs"][cfg] = res
     dist.destroy_process_group()
     return rank, out
+
+
+def _time_steps(net, xt, yt, warmup: int, reps: int, dist, counter=None) -> dict:
+    """SGD steps of ``net`` (a module or its DDP wrapper): ``warmup`` untimed, then ``reps``
+    timed, each after a barrier (not timed); ``counter`` counts only the timed steps."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(net(xt), yt)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    if counter is not None:
+        counter.bytes = counter.calls = 0
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return dict(step_s=spread(times))
 
 
 def time_collectives(d: int, reps: int) -> dict:
@@ -810,7 +839,7 @@ def time_collectives(d: int, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mlp", choices=sorted(MODELS))
-    ap.add_argument("--configs", default="allreduce,fp16,bf16,powersgd")
+    ap.add_argument("--configs", default="nocomm,allreduce,fp16,bf16,powersgd")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
@@ -827,7 +856,10 @@ def main() -> None:
     if a.collectives:
         rank, out = time_collectives(a.collectives, a.reps)
     else:
-        rank, out = run_worker(a.model, a.configs.split(","), a.batch, a.warmup, a.reps)
+        configs = a.configs.split(",")
+        if set(configs) - set(CONFIGS):
+            ap.error(f"--configs: unknown {sorted(set(configs) - set(CONFIGS))}; {list(CONFIGS)}")
+        rank, out = run_worker(a.model, configs, a.batch, a.warmup, a.reps)
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
