@@ -84,14 +84,15 @@ networks x 3 repeats of that is 15 min), plus ~1 min of steps at
   python -m experiments.bench.peers --report --out=experiments/results/peers_one_collective.json
 
 The library before the change with this bench: a worktree of the merge's
-first parent with these two files copied in, run from its root (the launched
+first parent with these three files copied in, run from its root (the launched
 processes import ``jaxcomm`` from the working directory first), the same
 command with ``--tag=before`` and ``--out`` the absolute path of the same JSON::
 
   git worktree add /tmp/before f8f2e0c^1
-  cp experiments/bench/peers.py experiments/bench/torch_peers.py /tmp/before/experiments/bench/
+  cp experiments/bench/peers.py experiments/bench/peers_report.py experiments/bench/torch_peers.py \
+     /tmp/before/experiments/bench/
   cd /tmp/before && python -m experiments.bench.peers ... --tag=before \
-      --out=/work/main/experiments/results/peers_one_collective.json
+      --out="$OLDPWD/experiments/results/peers_one_collective.json"
 
 Writes ``experiments/results/peers.json`` (``--out``); a new cell replaces the
 one of the same (tag, model, processes, network). Needs torch (CPU build):
