@@ -36,15 +36,15 @@ def test_validation_windows_come_only_from_held_out_plays(plays):
 def test_every_variant_shares_dense_s_optimizer_and_schedule():
     dense = lm_shakespeare.get_config("dense")
     sched = train.learning_rate(dense)
-    # warm-up from 0 to the peak at step 20, cosine to 0.1x at the last step (closed form)
+    # warm-up from 0 to the peak at step 100, cosine to 0.1x at the last step (closed form)
     peak, last = dense.optimizer.learning_rate, dense.num_train_steps
-    assert last == 200  # the study's length
-    assert float(sched(0)) == 0.0 and float(sched(20)) == pytest.approx(peak)
-    mid = 20 + (last - 20) // 2
+    assert last == 2000  # the study's length
+    assert float(sched(0)) == 0.0 and float(sched(100)) == pytest.approx(peak)
+    mid = 100 + (last - 100) // 2
     assert float(sched(mid)) == pytest.approx(0.1 * peak + 0.9 * peak * 0.5, rel=1e-4)
     assert float(sched(last)) == pytest.approx(0.1 * peak)
     # methods defined by their own optimizer keep dense's peak rate (x lr_scale) and schedule
-    own = {"muloco": "muon", "demo": "demo"}
+    own = {"muloco": "muon", "muon": "muon", "demo": "demo", "demo_full": "demo"}
     for name in lm_shakespeare.VARIANTS:
         c = lm_shakespeare.get_config(name)
         if name in own:
@@ -54,6 +54,12 @@ def test_every_variant_shares_dense_s_optimizer_and_schedule():
         else:
             assert c.optimizer.to_dict() == dense.optimizer.to_dict(), name
         assert isinstance(train.make_optimizer(c), optax.GradientTransformation)
+    # the counterparts: MuLoCo's inner Muon every step; DeMo's optimizer keeping everything
+    muon, muloco = (lm_shakespeare.get_config(m) for m in ("muon", "muloco"))
+    assert muon.optimizer.to_dict() == muloco.optimizer.to_dict() and muon.wrapper.name == "none"
+    demo, full = (lm_shakespeare.get_config(m).optimizer.to_dict() for m in ("demo", "demo_full"))
+    assert full["kwargs"].pop("compression_topk") == 64 * 64  # a 2-D chunk's entries: all kept
+    assert full == demo
 
 
 def test_schedule_rejects_a_warmup_as_long_as_the_run():

@@ -1,27 +1,38 @@
 r"""The LM study: time to a validation-loss target on real, shaped links, several seeds.
 
-Command (root, iproute2; ~1 h on 2 CPU cores for the default grid):
-  python -m experiments.studies.lm --out=experiments/results/lm_study.json
+Command (root, iproute2):
+  python -m experiments.studies.lm --validate=100mbit:dense,100mbit:BEST,10mbit:BEST
 Tables and plot from the JSON (no runs):
   python -m experiments.studies.lm --report
+The study's running time is measured, not guessed: the report sums every
+launched command's wall time from the JSON (``report.running_time``).
 
 What runs. Every method of ``experiments/configs/lm_shakespeare.py`` (AdamW
 with one warm-up + cosine schedule for all; DiLoCo's inner optimizer is the
-same) trains for ``--steps`` steps with ``--processes`` real processes
+same; the optimizer methods have their dense counterparts) trains for the
+config's schedule (2,000 steps) with ``--processes`` real processes
 (``experiments.launch``, gloo, one CPU device each) for every seed of
-``--seeds``, on loopback, evaluating the validation loss every 10 steps.
-Those runs give each (method, seed) its trajectory: validation loss against
-step, and the measured wall clock of the training calls on loopback.
+``--seeds``, on loopback, evaluating the validation loss every 100 steps (20
+evaluations). Those runs give each (method, seed) its trajectory: validation
+loss against step, and the measured wall clock of the training calls on
+loopback. The JSON also holds byte n-gram counting models fitted on the same
+training split and scored on the same windows
+(:mod:`experiments.studies.ngram`): the lines a model must pass to have
+learned more than n-gram statistics.
 
 On each shaped rate (``--rates``: every process in its own network namespace,
-each egress shaped by ``tc ... tbf``) every method runs ``--probe_steps``
-steps of the same schedule (seed 0) and the measured training-call time per
-step is recorded. A full run at 10 Mbit/s would take hours (dense moves
-20.5 MB per step), so a shaped cell's time to target is *steps to target on
-the seed's trajectory x the measured step time on that link*. The trajectory
-does not depend on the link (the same processes run the same arithmetic): the
-probe's validation loss at its last step is stored beside the loopback run's
-at that step (``probe_check``) and the report says whether they are equal.
+each egress shaped by ``tc ... tbf``) every method is probed ``--probes``
+times (separate launches, seed 0's schedule): one call of
+``--probe_steps_per_call`` steps (its warm-up, kept apart) and then at least
+``--probe_steps`` steps and two sync periods; the cell's step time is the
+median probe's, with the range. A shaped cell's time to target is *steps to
+target on the seed's trajectory x that step time*: an estimate, which
+``--validate=RATE:METHOD`` checks with whole runs on the shaped link (seed 0,
+end to end; the report's "Estimates checked end to end"). The trajectory does
+not depend on the link (the same processes run the same arithmetic).
+
+A JSON written for another workload (model, context, batch, schedule) is
+refused: ``--out`` names a new file for a new workload.
 
 The verdict rules are :mod:`experiments.studies.verdict`'s.
 """
@@ -30,18 +41,19 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 from absl import app, flags
 
-from experiments.studies import runs
+from experiments.studies import lm_figure, ngram, runs
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
-METHODS = ["dense", "bf16", "powersgd", "threshold", "ef_sign", "int8_2p", "diloco", "diloco_h1",
-           "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
-           "demo"]  # fmt: skip
+METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
+           "diloco_h1", "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
+           "muon", "demo", "demo_full"]  # fmt: skip
 
 
 def define_flags() -> None:
@@ -49,10 +61,18 @@ def define_flags() -> None:
     flags.DEFINE_list("rates", ["100mbit", "10mbit"], "shaped link rates (loopback always runs)")
     flags.DEFINE_list("methods", METHODS, "lm_shakespeare config variants")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the loopback trajectories")
-    flags.DEFINE_integer("steps", 200, "training steps of a full run (the schedule's length)")
-    flags.DEFINE_integer("probe_steps", 20, "steps measured on a shaped link (two calls)")
+    flags.DEFINE_integer("steps", 0, "training steps of a full run (0: the config's schedule)")
+    flags.DEFINE_integer("probes", 3, "probes (separate launches) per shaped (method, link) cell")
+    flags.DEFINE_integer(
+        "probe_steps", 20, "steps timed in a probe after its first call (at least 2 sync periods)"
+    )
     flags.DEFINE_integer("probe_steps_per_call", 10, "training steps per call in a probe")
-    flags.DEFINE_string("out", "experiments/results/lm_study.json", "JSON written and updated")
+    flags.DEFINE_list(
+        "validate", [], "RATE:METHOD whole runs (seed 0) on a shaped link, checking the estimate"
+    )
+    flags.DEFINE_string(
+        "out", "experiments/results/lm_study_learned.json", "JSON written and updated"
+    )
     flags.DEFINE_string("workroot", "runs/lm_study", "workdirs of the runs")
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
 
@@ -61,58 +81,109 @@ def define_flags() -> None:
 KEEP = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
 
 
+def workload() -> dict:
+    """What every run of one study shares (a JSON holding another workload is refused)."""
+    from experiments.configs import lm_shakespeare
+
+    c = lm_shakespeare.get_config("dense")
+    return {
+        "model": c.model.name, "model_kwargs": dict(c.model.kwargs),
+        "seq_len": c.data.seq_len, "batch_per_worker": c.data.batch_size,
+        "steps": FLAGS.steps or c.num_train_steps, "eval_every": c.eval_every,
+        "learning_rate": c.optimizer.learning_rate, "schedule": dict(c.optimizer.schedule),
+    }  # fmt: skip
+
+
+def sync_period(method: str) -> int:
+    """Inner steps between a method's exchanges (1 for every-step methods)."""
+    from experiments.configs import lm_shakespeare
+
+    wrapper = lm_shakespeare.VARIANTS[method].get("wrapper")
+    return int(wrapper[1]) if wrapper else 1
+
+
 def training_argv(
     workdir: str, n: int, rate: str, method: str, seed: int, steps: int, stop: int,
-    per_call: int = 10,
+    per_call: int = 0,
 ) -> list[str]:  # fmt: skip
-    """The launched command of one run of the study (``stop``: steps to run, 0 all)."""
+    """The launched command of one run of the study (``stop``: steps to run, 0 all;
+    ``per_call``: a probe's steps per call, evaluated after each; 0: the config's)."""
     return [
         sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
         *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
         sys.executable, "-m", "experiments.main", f"--config={CONFIG}:{method}",
         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_train_steps={steps}",
         f"--config.stop_after={stop}", "--config.progress=False", "--config.plot=False",
-        f"--config.steps_per_call={per_call}",
-        *([] if per_call == 10 else [f"--config.eval_every={per_call}"]),  # a probe's 2 calls
+        *([f"--config.steps_per_call={per_call}", f"--config.eval_every={per_call}"]
+          if per_call else []),
     ]  # fmt: skip
 
 
 def run_training(
-    n: int, rate: str, method: str, seed: int, steps: int, stop: int, per_call: int = 10
-) -> dict:
+    n: int, rate: str, method: str, seed: int, steps: int, stop: int, per_call: int = 0,
+    tag: str = "",
+) -> dict:  # fmt: skip
     """One launched run; returns its command, wall time and metrics rows."""
-    workdir = os.path.join(FLAGS.workroot, f"n{n}", rate, method, f"s{seed}")
+    workdir = os.path.join(FLAGS.workroot, f"n{n}", rate + tag, method, f"s{seed}")
     subprocess.run(["rm", "-rf", workdir], check=True)
     argv = training_argv(workdir, n, rate, method, seed, steps, stop, per_call)
     return runs.launched(argv, workdir, KEEP)
 
 
 def write_report(path: str) -> None:
-    from experiments.studies import report
-
-    report.write_lm(path)
+    lm_figure.write_lm(path)
 
 
-def probe(results: dict, n: int, rate: str, method: str) -> dict:
-    """``--probe_steps`` steps of seed 0 on ``rate``: step time and the trajectory check."""
-    run = run_training(n, rate, method, 0, FLAGS.steps, FLAGS.probe_steps,
-                       FLAGS.probe_steps_per_call)  # fmt: skip
-    last = run["curve"][-1]
+def probe_once(results: dict, n: int, rate: str, method: str, steps: int, k: int) -> dict:
+    """One probe: a first call (warm-up, timed apart) and then at least ``--probe_steps``
+    steps and two sync periods, rounded up to whole calls; seed 0's schedule."""
+    per = FLAGS.probe_steps_per_call
+    timed = max(FLAGS.probe_steps, 2 * sync_period(method))
+    timed = -(-timed // per) * per
+    run = run_training(n, rate, method, 0, steps, per + timed, per, tag=f".probe{k}")
+    first, last = run["curve"][0], run["curve"][-1]
     base = next(r for r in results["runs"] if (r["n"], r["method"], r["seed"]) == (n, method, 0))
-    ref = next(p for p in base["curve"] if p["step"] == last["step"])
-    first = run["curve"][0]  # the first call (10 steps) carries one-time warm-up costs
-    step_s = (last["train_s"] - first["train_s"]) / (last["step"] - first["step"])
-    ms = step_s * 1e3
-    print(f"n={n} {rate:8s} {method:10s}: {ms:.0f} ms/step (val {last['eval_loss']:.5f} "
-          f"vs loopback {ref['eval_loss']:.5f})", flush=True)  # fmt: skip
+    ref = next((p for p in base["curve"] if p["step"] == last["step"]), None)
     return {
-        "n": n, "rate": rate, "method": method, "seed": 0, **run,
+        "command": run["command"], "process_wall_s": run["process_wall_s"],
+        "steps": last["step"] - first["step"],
+        "step_s": (last["train_s"] - first["train_s"]) / (last["step"] - first["step"]),
         "first_call": {"steps": first["step"], "train_s": first["train_s"]},
-        "steps_per_call": FLAGS.probe_steps_per_call,
-        "step_s": step_s,
         "probe_check": {"step": last["step"], "probe_eval_loss": last["eval_loss"],
-                        "loopback_eval_loss": ref["eval_loss"]},
+                        "loopback_eval_loss": ref and ref["eval_loss"]},
     }  # fmt: skip
+
+
+def probe(results: dict, n: int, rate: str, method: str, steps: int) -> dict:
+    """``--probes`` probes of one (method, link) cell: the median step and its range.
+
+    The loopback trajectory's evaluation at the probe's last step is stored beside the
+    probe's (``probe_check``; the trajectory does not depend on the link) only when the
+    study evaluates at that step; otherwise ``loopback_eval_loss`` is null.
+    """
+    reps = [probe_once(results, n, rate, method, steps, k) for k in range(FLAGS.probes)]
+    by_time = sorted(reps, key=lambda r: r["step_s"])
+    mid = by_time[(len(reps) - 1) // 2]
+    out = {
+        "n": n, "rate": rate, "method": method, "seed": 0, "repeats": reps,
+        "step_s": statistics.median(r["step_s"] for r in reps),
+        "step_s_min": by_time[0]["step_s"], "step_s_max": by_time[-1]["step_s"],
+        "first_call": mid["first_call"], "probe_check": reps[0]["probe_check"],
+    }  # fmt: skip
+    ms = [f"{1e3 * r['step_s']:.0f}" for r in reps]
+    print(f"n={n} {rate:8s} {method:14s}: {1e3 * out['step_s']:.0f} ms/step "
+          f"(probes {', '.join(ms)})", flush=True)  # fmt: skip
+    return out
+
+
+def validate_run(n: int, rate: str, method: str, steps: int) -> dict:
+    """A whole run of seed 0 on a shaped link: the time to target measured end to end."""
+    run = run_training(n, rate, method, 0, steps, 0, tag=".whole")
+    last = run["curve"][-1]
+    print(f"n={n} {rate:8s} {method:14s}: whole run, val {last['eval_loss']:.4f} "
+          f"in {last['train_s']:.0f} s of training calls", flush=True)  # fmt: skip
+    return {"n": n, "rate": rate, "method": method, "seed": 0, **run,
+            "estimate_s": None, "measured_s": None}  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -120,11 +191,21 @@ def main(argv: list[str]) -> None:
     if FLAGS.report:
         write_report(FLAGS.out)
         return
-    results = {"runs": [], "probes": []}
+    work = workload()
+    steps = work["steps"]
+    results = {"runs": [], "probes": [], "validation": []}
     if os.path.exists(FLAGS.out):
         with open(FLAGS.out) as f:
             results = json.load(f)
-    results.update(steps=FLAGS.steps, config=CONFIG, note=__doc__.split("\n\n")[1])
+        if results.get("workload") != work:
+            raise ValueError(
+                f"--out={FLAGS.out} holds runs of another workload ({results.get('workload')}); "
+                f"this one is {work}: pass a new --out, or move the old file away"
+            )
+        results.setdefault("validation", [])
+    results.update(steps=steps, config=CONFIG, workload=work, note=__doc__.split("\n\n")[1])
+    if "ngram" not in results:
+        results["ngram"] = ngram.study_baselines(work["seq_len"])
 
     def save():
         runs.save_json(FLAGS.out, results)
@@ -136,18 +217,24 @@ def main(argv: list[str]) -> None:
             for method in FLAGS.methods:
                 if (n, method, seed) in have:
                     continue
-                run = run_training(n, "loopback", method, seed, FLAGS.steps, 0)
+                run = run_training(n, "loopback", method, seed, steps, 0)
                 results["runs"].append({"n": n, "method": method, "seed": seed, **run})
                 save()
                 last = run["curve"][-1]
-                print(f"n={n} {method:10s} seed {seed}: val {last['eval_loss']:.4f} "
+                print(f"n={n} {method:14s} seed {seed}: val {last['eval_loss']:.4f} "
                       f"in {last['train_s']:.1f} s", flush=True)  # fmt: skip
-            if seed == 0:  # the shaped links' step times, checked against seed 0's trajectory
+            if seed == 0:  # the shaped links' step times, each cell probed --probes times
                 for rate in FLAGS.rates:
                     for method in FLAGS.methods:
                         if (n, rate, method) not in probed:
-                            results["probes"].append(probe(results, n, rate, method))
+                            results["probes"].append(probe(results, n, rate, method, steps))
                             save()
+        done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}
+        for cell in FLAGS.validate:
+            rate, method = cell.split(":")
+            if (n, rate, method) not in done:
+                results["validation"].append(validate_run(n, rate, method, steps))
+                save()
     save()
     write_report(FLAGS.out)
 

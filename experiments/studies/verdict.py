@@ -16,9 +16,19 @@ A reviewer's objections to a time-to-quality claim, and the rule that answers ea
 - *A faster method that ends worse.* Every method's final quality is shown
   (median and range over seeds) beside its time, with whether its median is
   within :data:`QUALITY_BAND` of dense's.
+  A method whose median is outside the band gets no ratio at all: its cell
+  says "faster, but ends worse by 3.1%" (:func:`judge`).
+- *The headline picks a method that is fast because it learns less.* The
+  headline names, per link, the fastest method whose *every* seed ends within
+  :data:`HEADLINE_BAND` of dense's median final, with the range of its
+  speed-up and both final losses beside it (:func:`headline`).
 - *The optimizer, not the network.* Every method uses dense's base optimizer
   and schedule; methods that are optimizers are compared with their own dense
-  counterpart too (the study names it).
+  counterpart too (the study names it), when both end within the band.
+- *A time on a shaped link that is an estimate.* A probe's step time is the
+  median of at least :data:`MIN_PROBES` probes (fewer are marked), and
+  estimates are checked against whole runs on the link: measured within
+  :data:`ESTIMATE_TOLERANCE` of the estimate (:func:`estimate_check`).
 
 Quality values follow one convention here: ``lower_is_better=True`` for a loss,
 ``False`` for an accuracy.
@@ -33,6 +43,9 @@ MIN_EVALS = 20
 MIN_FRACTION = 0.3
 MIN_SEEDS = 3
 QUALITY_BAND = 0.02  # a final loss within 2% of dense's counts as the same quality
+HEADLINE_BAND = 0.01  # a headline method ends within 1% of dense's median, on every seed
+MIN_PROBES = 3  # probes of a step time on a shaped link; fewer are marked
+ESTIMATE_TOLERANCE = 0.10  # an estimated time within 10% of the measured one checks out
 
 
 def reached(value: float, target: float, lower_is_better: bool) -> bool:
@@ -123,8 +136,96 @@ def speedup(dense: dict, method: dict) -> float | None:
     return dense["median"] / method["median"]
 
 
+def _within(value: float, ref: float, band: float, lower_is_better: bool) -> bool:
+    return value <= ref * (1 + band) if lower_is_better else value >= ref - band
+
+
 def quality(finals: Sequence[float], dense_finals: Sequence[float], lower_is_better=True) -> dict:
-    """Median and range of final quality, and whether the median is within the band of dense's."""
+    """Median and range of final quality, and whether the median is within the band of dense's.
+
+    ``worse_by``: how much worse the median is than dense's (a loss: the
+    fraction ``median / dense's - 1``; an accuracy: dense's minus the median).
+    """
     med, ref = statistics.median(finals), statistics.median(dense_finals)
-    within = med <= ref * (1 + QUALITY_BAND) if lower_is_better else med >= ref - QUALITY_BAND
-    return {"median": med, "min": min(finals), "max": max(finals), "within_band": within}
+    worse = med / ref - 1 if lower_is_better else ref - med
+    within = _within(med, ref, QUALITY_BAND, lower_is_better)
+    return {"median": med, "min": min(finals), "max": max(finals), "dense_median": ref,
+            "worse_by": worse, "within_band": within}  # fmt: skip
+
+
+def judge(dense: dict, method: dict, q: dict) -> dict:
+    """The speed-up a table may print for a method's time cell, or the words in its place.
+
+    ``dense`` and ``method``: :func:`summarize` of the times on one link;
+    ``q``: :func:`quality` of the method's finals. Returns ``{"speedup", "note"}``:
+    a seed that misses the target gives ``"not reached (k/n seeds)"``; a median
+    final outside :data:`QUALITY_BAND` gives no ratio but ``"faster, but ends
+    worse by 3.1%"`` (its median time below dense's) or ``"slower, and ends worse
+    by 3.1%"``; otherwise the speed-up and no note.
+    """
+    if method["median"] is None:
+        missed = f"not reached ({method['reached']}/{method['seeds']} seeds)"
+        return {"speedup": None, "note": missed}
+    ratio = speedup(dense, method)
+    if q["within_band"]:
+        return {"speedup": ratio, "note": None}
+    pace = "" if ratio is None else ("faster, but " if ratio > 1 else "slower, and ")
+    worse = f"{q['worse_by']:.1%}"
+    if float(worse[:-1]) <= 100 * QUALITY_BAND:  # rounded onto the band: one more digit
+        worse = f"{q['worse_by']:.2%}"
+    return {"speedup": None, "note": f"{pace}ends worse by {worse}"}
+
+
+def headline(
+    dense: dict,
+    dense_finals: Sequence[float],
+    methods: dict[str, tuple[dict, Sequence[float]]],
+    *,
+    band: float = HEADLINE_BAND,
+    lower_is_better: bool = True,
+) -> dict | None:
+    """The fastest method on one link among those that end as well as dense on every seed.
+
+    ``dense``: :func:`summarize` of dense's times; ``methods``: name -> (its
+    :func:`summarize`, its per-seed finals). A method qualifies when every seed
+    reached the target and every seed's final is within ``band`` of dense's
+    median final. Returns None when none qualifies, else ``{"method",
+    "speedup"`` (dense's median / the method's), ``"low", "high"`` (dense's
+    median over the method's slowest and fastest seed), ``"final",
+    "dense_final"`` (median, min, max of each)}``.
+    """
+    ref = statistics.median(dense_finals)
+    best = None
+    for name, (cell, finals) in methods.items():
+        ratio = speedup(dense, cell)
+        if ratio is None or not all(_within(f, ref, band, lower_is_better) for f in finals):
+            continue
+        if best is None or ratio > best["speedup"]:
+            best = {
+                "method": name, "speedup": ratio,
+                "low": dense["median"] / cell["max"], "high": dense["median"] / cell["min"],
+                "final": _spread(finals), "dense_final": _spread(dense_finals),
+            }  # fmt: skip
+    return best
+
+
+def _spread(values: Sequence[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def estimate_check(estimate: float | None, measured: float | None) -> dict:
+    """An estimated time to target against the one measured end to end on the same link.
+
+    ``ratio`` = measured / estimated; ``within``: the ratio is within
+    :data:`ESTIMATE_TOLERANCE` of 1 (False when either time is missing, e.g. the
+    whole run did not reach the target).
+    """
+    ratio = measured / estimate if estimate and measured is not None else None
+    within = ratio is not None and abs(ratio - 1) <= ESTIMATE_TOLERANCE
+    return {"estimate": estimate, "measured": measured, "ratio": ratio, "within": within}
+
+
+def value_at(values: Sequence[float], times: Sequence[float], t: float) -> float | None:
+    """The value of the last evaluation at or before time ``t`` (no interpolation); None if none."""
+    got = [v for v, s in zip(values, times) if s <= t]
+    return got[-1] if got else None
