@@ -34,6 +34,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from absl import app, flags
 
@@ -234,9 +235,10 @@ SCHEMES = [
     Scheme("dense fp32", "all_reduce", lambda d, s: FP32 * d, 0, factory="allreduce"),
     Scheme("bf16", "all_reduce", lambda d, s: 2 * d, 1, factory="cast"),
     Scheme("int8 (all-gather)", "all_gather", _bits(8, 512), 2, factory="int8"),
-    Scheme("QSGD s=4", "all_gather", _bits(4, 512), 3, factory="qsgd", factory_kwargs={"s": 4}),
+    Scheme("QSGD s=4", "all_gather", _bits(4, 512), 3, factory="qsgd",
+           factory_kwargs={"levels": 4}),
     Scheme("TernGrad", "all_reduce", lambda d, s: d, 3, factory="terngrad"),
-    Scheme("signSGD MV", "all_reduce", lambda d, s: d, 1, factory="majority_vote"),
+    Scheme("signSGD MV", "all_reduce", lambda d, s: d, 1, factory="sign_majority"),
     Scheme("EF-sign / 1-bit", "all_gather", _bits(1), 4, factory="ef_sign"),
     Scheme("2-bit", "all_gather", _bits(2), 3, factory="twobit"),
     Scheme("top-k 1%", "all_gather", _sparse(0.01), 12, factory="topk",
@@ -311,7 +313,6 @@ def transform_reports(names: Sequence[str]) -> dict[tuple[str, str], list]:
         import jax
         import jax.numpy as jnp
 
-        import jaxcomm
         from jaxcomm import accounting
     except ImportError as e:
         raise SystemExit(
@@ -320,29 +321,38 @@ def transform_reports(names: Sequence[str]) -> dict[tuple[str, str], list]:
         ) from None
     out = {}
     n = FLAGS.n_nodes * FLAGS.per_node
-    available = []
-    for scheme in SCHEMES:
-        if hasattr(jaxcomm, scheme.factory or ""):
-            available.append(scheme)
-        else:
-            print(f"  [from_transforms] {scheme.label}: no jaxcomm.{scheme.factory}, skipped")
     for name in names:
         params = [jax.ShapeDtypeStruct(s, jnp.float32) for s in MODELS[name].shapes()]
-        for scheme in available:
-            factory = getattr(jaxcomm, scheme.factory)
-            kwargs = dict(scheme.factory_kwargs, axis_name="data")
-            if "key" in inspect.signature(factory).parameters:
-                kwargs["key"] = jax.random.key(0)
-            try:
-                out[name, scheme.label] = accounting.wire_report(
-                    factory(**kwargs),
-                    params,
-                    n,
-                    backend="gpu",  # the clusters modelled
-                )
-            except Exception as e:  # an interface that differs: report it, keep going
-                print(f"  [from_transforms] {scheme.label}: skipped ({type(e).__name__}: {e})")
+        for scheme in SCHEMES:
+            out[name, scheme.label] = accounting.wire_report(
+                build_transform(scheme),
+                params,
+                n,
+                backend="gpu",  # the clusters modelled
+            )
     return out
+
+
+def build_transform(scheme: Scheme) -> Any:
+    """``jaxcomm.<scheme.factory>(**scheme.factory_kwargs)`` over axis ``"data"``.
+
+    A scheme whose factory is not a jaxcomm name, or whose keywords it does not
+    take, raises here (naming the scheme) rather than drop out of the tables.
+    """
+    import jax
+
+    import jaxcomm
+
+    factory = getattr(jaxcomm, scheme.factory or "", None)
+    if factory is None:
+        raise ValueError(f"whatif scheme {scheme.label!r}: no jaxcomm.{scheme.factory}")
+    kwargs = dict(scheme.factory_kwargs, axis_name="data")
+    if "key" in inspect.signature(factory).parameters:
+        kwargs["key"] = jax.random.key(0)
+    try:
+        return factory(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"whatif scheme {scheme.label!r}: {e}") from None
 
 
 # --- tables ---------------------------------------------------------------------

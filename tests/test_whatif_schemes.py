@@ -1,0 +1,28 @@
+"""Every scheme of the what-if analysis names a jaxcomm factory that takes its keywords.
+
+The schemes are a second list of method names beside the library's; a drifted name
+(``majority_vote`` for ``jaxcomm.sign_majority``, QSGD's ``s`` for ``levels``) once
+made ``--from_transforms`` skip the scheme with a printed line. Now it raises, and
+this test builds every scheme.
+"""
+
+import dataclasses
+
+import optax
+import pytest
+
+from experiments.bench import whatif
+
+
+@pytest.mark.parametrize("scheme", whatif.SCHEMES, ids=lambda s: s.label)
+def test_every_scheme_builds_its_transform(scheme):
+    assert isinstance(whatif.build_transform(scheme), optax.GradientTransformation)
+
+
+def test_a_drifted_name_or_keyword_is_an_error_naming_the_scheme():
+    first = whatif.SCHEMES[0]
+    with pytest.raises(ValueError, match="no jaxcomm.majority_vote"):
+        whatif.build_transform(dataclasses.replace(first, factory="majority_vote"))
+    qsgd = next(s for s in whatif.SCHEMES if s.factory == "qsgd")
+    with pytest.raises(ValueError, match="QSGD"):
+        whatif.build_transform(dataclasses.replace(qsgd, factory_kwargs={"s": 4}))
