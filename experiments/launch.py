@@ -10,7 +10,10 @@ Each process gets ``--devices_per_process`` fake CPU devices (``XLA_FLAGS``) and
 :func:`jaxcomm.distributed.initialize` reads (gloo collectives on CPU). Logs are
 streamed with a ``[p0]`` prefix. If one process dies, the others are stopped and
 the launcher exits non-zero (the dead process's status, or 128 + signal). Ctrl-C
-or SIGTERM stops every process and tears the network lab down.
+or SIGTERM stops every process and tears the network lab down: each gets SIGTERM
+(which ``experiments.main`` takes as a preemption notice: every process saves a
+checkpoint at the same step and exits), then SIGKILL after ``--stop_grace_s``
+(a second Ctrl-C/SIGTERM kills at once); the launcher exits with 128 + signal.
 
 ``--rate`` (e.g. ``10mbit``, ``100mbit``, ``1gbit``) runs each process in its own
 network namespace of :mod:`experiments.netlab`: joined through a bridge, every
@@ -52,7 +55,15 @@ def define_flags() -> None:
     flags.DEFINE_string("rate", None, "shape each link to this rate (tc syntax: 10mbit, 1gbit)")
     flags.DEFINE_string("burst", None, "tbf burst (default: netlab's rule for the rate)")
     flags.DEFINE_integer("port", 0, "coordinator port (0: a free one)", lower_bound=0)
-    flags.DEFINE_float("grace_s", 5.0, "seconds between SIGTERM and SIGKILL when stopping")
+    flags.DEFINE_float(
+        "grace_s", 5.0, "seconds between SIGTERM and SIGKILL for the others when one process died"
+    )
+    flags.DEFINE_float(
+        "stop_grace_s",
+        60.0,
+        "seconds between SIGTERM and SIGKILL when the launcher gets SIGTERM or Ctrl-C (time to "
+        "save a checkpoint at the preemption sync point)",
+    )
 
 
 _print_lock = threading.Lock()
@@ -119,23 +130,33 @@ def _stream(i: int, pipe) -> None:
             sys.stdout.flush()
 
 
+def _signal_group(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every live process group, then SIGKILL what is left after ``grace_s``."""
+    """SIGTERM every live process group, then SIGKILL what is left after ``grace_s``.
+
+    A Ctrl-C or SIGTERM to the launcher while it waits SIGKILLs at once.
+    """
     live = [p for p in procs if p.poll() is None]
     for p in live:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    try:
+        for p in live:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 pass
+    except KeyboardInterrupt:
+        say("interrupted again; killing every process now")
+    for p in live:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
             p.wait()
 
 
@@ -152,8 +173,15 @@ def run(
     lab=None,
     port: int = 0,
     grace_s: float = 5.0,
+    stop_grace_s: float = 60.0,
 ) -> int:
-    """Run ``argv`` as ``processes`` processes; returns the exit code (0: all succeeded)."""
+    """Run ``argv`` as ``processes`` processes; returns the exit code (0: all succeeded).
+
+    ``grace_s``: SIGTERM to SIGKILL for the others when one process died.
+    ``stop_grace_s``: the same on Ctrl-C or SIGTERM to the launcher (the
+    processes save a checkpoint at JAX's preemption sync point meanwhile);
+    returns 128 + the signal.
+    """
     n = processes
     host = lab.address(0) if lab is not None else "127.0.0.1"
     coordinator = f"{host}:{port or free_port()}"
@@ -186,18 +214,30 @@ def run(
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.05)
-    except KeyboardInterrupt:
-        say("interrupted; stopping every process")
-        _stop(procs, grace_s)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        say(
+            f"{signal.Signals(signum).name}: stopping every process (SIGTERM: they checkpoint "
+            f"and exit; SIGKILL after {stop_grace_s:g} s)"
+        )
+        _stop(procs, stop_grace_s)
+        return 128 + signum
     finally:
         _stop(procs, grace_s)
         for t in threads:
             t.join(timeout=2)
 
 
+class _Stopped(KeyboardInterrupt):
+    """The launcher got a stop signal (``signum``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise _Stopped(signum)
 
 
 def main(argv: list[str]) -> None:
@@ -212,6 +252,7 @@ def main(argv: list[str]) -> None:
         devices_per_process=FLAGS.devices_per_process,
         port=FLAGS.port,
         grace_s=FLAGS.grace_s,
+        stop_grace_s=FLAGS.stop_grace_s,
     )
     if FLAGS.rate is None:
         sys.exit(run(command, **kwargs))

@@ -25,8 +25,11 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import os
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -75,6 +78,8 @@ PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco", "sparseloco")  # p
 # wrapper keys passed to jaxcomm.sparseloco (as its keyword arguments)
 SPARSELOCO_KEYS = ("outer_learning_rate", "error_decay", "chunk", "topk", "bits")
 POLICIES = ("none", "matrices")
+# config.on_nonfinite: what a run does when its training loss or state turns NaN/Inf
+ON_NONFINITE = ("abort", "continue")
 
 
 class TrainState(NamedTuple):
@@ -104,6 +109,16 @@ def _positive_int(value: Any, key: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
         raise ValueError(f"{key}: expected an int >= {low}, got {value!r}")
     return int(value)
+
+
+def _positive_float(value: Any, key: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{key}: expected a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def n_workers_of(config: ml_collections.ConfigDict) -> int:
@@ -333,6 +348,9 @@ def validate(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
         )
     if not config.netsim.gbps > 0:
         raise ValueError(f"config.netsim.gbps: expected > 0, got {config.netsim.gbps}")
+    _choice(config.get("on_nonfinite", "abort"), "config.on_nonfinite", ON_NONFINITE)
+    _positive_float(config.optimizer.get("learning_rate"), "config.optimizer.learning_rate")
+    _positive_float(config.optimizer.get("lr_scale", 1.0), "config.optimizer.lr_scale")
     n_workers_of(config)
     return make_optimizer(config)
 
@@ -368,6 +386,13 @@ CHECKSUMS = "jaxcomm_checksums.p{}.json"  # beside orbax's files in checkpoints/
 # In checkpoints/: written before the first save of a run that writes checksums, so that a
 # checkpoint without them is known to be interrupted, not one from before checksums existed.
 CHECKSUMS_MARKER = "jaxcomm_checksums_required"
+CONFIG_RECORD = "jaxcomm_config.json"  # in checkpoints/<step>/: the config that saved it
+
+
+def _last_good(mngr: ocp.CheckpointManager) -> str:
+    """The newest checkpoint as ``"step N"``, or ``"none saved"``."""
+    step = mngr.latest_step()
+    return "none saved" if step is None else f"step {step}"
 
 
 def _shard_digests(state: Any) -> tuple[dict[str, str], bool]:
@@ -415,7 +440,12 @@ def _agree(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(flag))))
 
 
-def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> bool:
+def save_state(
+    mngr: ocp.CheckpointManager,
+    step: int,
+    state: TrainState,
+    config: ml_collections.ConfigDict | None = None,
+) -> bool:
     """Save the (global, possibly multi-process) state at ``step``; every process calls it.
 
     Each process writes the shards it holds and process 0 the metadata (orbax's
@@ -428,14 +458,18 @@ def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> boo
     steps), which :func:`restore_latest_good` verifies. A state holding NaN/Inf
     is *not* saved (absl warning; returns False): with ``max_to_keep=2`` it
     would rotate out the last good checkpoint.
+
+    ``config``: recorded by process 0 as ``checkpoints/<step>/jaxcomm_config.json``,
+    so that a resume with another configuration can say what differs
+    (:func:`check_checkpoint_structure`).
     """
     digests, finite = _shard_digests(state)
     if not _agree(finite):
         logging.warning(
             "step %d: the training state holds NaN/Inf; checkpoint not saved, so that the "
-            "last good checkpoint (step %s) is kept",
+            "last good checkpoint is kept (%s)",
             step,
-            mngr.latest_step(),
+            _last_good(mngr),
         )
         return False
     marker = os.path.join(str(mngr.directory), CHECKSUMS_MARKER)
@@ -443,7 +477,13 @@ def save_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> boo
         open(marker, "w").close()
     mngr.save(step, args=ocp.args.StandardSave(distributed.key_data(state)))
     mngr.wait_until_finished()
-    path = os.path.join(str(mngr.directory), str(step), CHECKSUMS.format(jax.process_index()))
+    step_dir = os.path.join(str(mngr.directory), str(step))
+    if config is not None and jax.process_index() == 0:
+        record = os.path.join(step_dir, CONFIG_RECORD)
+        with open(record + ".tmp", "w") as f:
+            json.dump(runs.json_ready(json.loads(config.to_json_best_effort())), f, indent=1)
+        os.replace(record + ".tmp", record)
+    path = os.path.join(step_dir, CHECKSUMS.format(jax.process_index()))
     with open(path + ".tmp", "w") as f:
         json.dump({"step": step, "processes": jax.process_count(), "sha256": digests}, f)
     os.replace(path + ".tmp", path)
@@ -467,16 +507,110 @@ class CorruptCheckpoint(RuntimeError):
     """A checkpoint that cannot be read, or whose contents fail verification."""
 
 
+class CheckpointMismatch(ValueError):
+    """Intact checkpoints written by another configuration (worker count, method, model)."""
+
+
 def check_checkpoint_workers(mngr: ocp.CheckpointManager, step: int, n: int) -> None:
     """The checkpoint's per-worker state must have this run's worker count."""
     held = checkpoint_workers(mngr, step)
     if held != n:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint at step {step} holds per-worker state (error-feedback residuals, keys, "
             f"local params) of {held} workers, but this run has {n}. Resume with "
             f"{held} workers in all (any split into processes x devices works), or use "
             f"a new --workdir. jaxcomm does not merge or split per-worker residuals."
         )
+
+
+def _leaf_specs(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{"opt_state/0/residual/...": (shape, dtype)}`` of a state or of a checkpoint's metadata.
+
+    Paths are spelled alike for both (orbax stores a NamedTuple as a dict, a tuple as a list).
+    """
+
+    def name(key: Any) -> str:
+        for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    return {
+        "/".join(name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _config_differences(recorded: dict, config: ml_collections.ConfigDict) -> list[str]:
+    """``key=saved (this run: now)`` for the keys that shape the state (method, model)."""
+
+    def flat(d: Any, prefix: str = "") -> dict:
+        if not isinstance(d, dict):
+            return {prefix[:-1]: d}
+        return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+
+    saved, now = flat(recorded), flat(runs.json_ready(json.loads(config.to_json_best_effort())))
+    shaping = ("model.", "compressor.", "optimizer.name", "optimizer.kwargs.", "wrapper.", "policy")
+    keys = sorted(k for k in saved.keys() | now.keys() if k.startswith(shaping))
+    show = lambda d, k: repr(d[k]) if k in d else "unset"
+    return [
+        f"{k}={show(saved, k)} (this run: {show(now, k)})"
+        for k in keys
+        if show(saved, k) != show(now, k)
+    ]
+
+
+def check_checkpoint_structure(
+    mngr: ocp.CheckpointManager,
+    step: int,
+    like: TrainState,
+    config: ml_collections.ConfigDict | None = None,
+) -> None:
+    """Raise :class:`CheckpointMismatch` unless checkpoint ``step`` holds ``like``'s leaves.
+
+    Compares the checkpoint's metadata (every leaf's path, shape and dtype)
+    with this run's state before anything is read: a workdir trained with
+    another method (another optimizer state) is not corruption. With
+    ``config``, the message names the keys that differ from the config
+    recorded at save time (:func:`save_state`).
+    """
+    try:
+        held = _leaf_specs(mngr.item_metadata(step).tree)
+    except Exception as e:  # orbax raises JSONDecodeError, FileNotFoundError, KeyError, ...
+        raise CorruptCheckpoint(
+            f"checkpoint at step {step}: unreadable metadata ({type(e).__name__}: {e})"
+        ) from e
+    want = _leaf_specs(distributed.key_data(like))
+    if held == want:
+        return
+    fmt = lambda spec: f"{spec[1]}{list(spec[0])}"
+    only_saved = sorted(held.keys() - want.keys())
+    only_here = sorted(want.keys() - held.keys())
+    changed = sorted(k for k in held.keys() & want.keys() if held[k] != want[k])
+    parts = []
+    if only_saved:
+        parts.append(f"{len(only_saved)} leaves only in the checkpoint (e.g. {only_saved[0]})")
+    if only_here:
+        parts.append(f"{len(only_here)} leaves only in this run (e.g. {only_here[0]})")
+    if changed:
+        k = changed[0]
+        parts.append(
+            f"{len(changed)} leaves of another shape or dtype (e.g. {k}: {fmt(held[k])} saved, "
+            f"{fmt(want[k])} in this run)"
+        )
+    saved_by = ""
+    path = os.path.join(str(mngr.directory), str(step), CONFIG_RECORD)
+    if config is not None and os.path.exists(path):
+        with open(path) as f:
+            diffs = _config_differences(json.load(f), config)
+        if diffs:
+            saved_by = " It was saved with " + ", ".join(diffs[:8]) + "."
+    raise CheckpointMismatch(
+        f"{mngr.directory} holds checkpoints of a different configuration: the state saved "
+        f"at step {step} does not fit this run's ({'; '.join(parts)}).{saved_by} The "
+        f"checkpoints are intact, not corrupt: resume them with the configuration that "
+        f"wrote them, or train this configuration in a fresh --workdir."
+    )
 
 
 def restore_state(mngr: ocp.CheckpointManager, step: int, like: TrainState) -> TrainState:
@@ -548,7 +682,11 @@ def verify_state(mngr: ocp.CheckpointManager, step: int, state: TrainState) -> N
 
 
 def restore_latest_good(
-    mngr: ocp.CheckpointManager, like: TrainState, n: int, workdir: str
+    mngr: ocp.CheckpointManager,
+    like: TrainState,
+    n: int,
+    workdir: str,
+    config: ml_collections.ConfigDict | None = None,
 ) -> tuple[int, TrainState]:
     """``(step, state)`` of the newest checkpoint that reads and verifies; ``(0, like)`` if none.
 
@@ -556,22 +694,26 @@ def restore_latest_good(
     files, empty or broken metadata) or fails :func:`verify_state` (flipped
     bytes, NaN/Inf) is reported with an absl warning naming the cause and
     moved to ``workdir/corrupt_checkpoints/<step>`` (kept for inspection, and
-    out of ``max_to_keep``'s rotation), and the next older one is tried. A
-    worker-count mismatch is not corruption: it raises the clear
-    ``ValueError`` of :func:`check_checkpoint_workers`. If checkpoints exist
-    but none is usable, raises :class:`CorruptCheckpoint` listing why.
+    out of ``max_to_keep``'s rotation), and the next older one is tried.
+    Checkpoints of another configuration are not corruption: a worker-count
+    mismatch (:func:`check_checkpoint_workers`) or another state layout, e.g.
+    another method's optimizer state (:func:`check_checkpoint_structure`, which
+    names the config keys that differ, given ``config``), raises
+    :class:`CheckpointMismatch` and moves nothing. If checkpoints exist but
+    none is usable, raises :class:`CorruptCheckpoint` listing why.
     """
     steps = sorted(mngr.all_steps(), reverse=True)
+    if steps:
+        _quiet_closed_loop_callbacks()  # before a read can fail: its noise follows at once
     reasons = []
     for step in steps:
         try:
             check_checkpoint_workers(mngr, step, n)
+            check_checkpoint_structure(mngr, step, like, config)
             state = restore_state(mngr, step, like)
             verify_state(mngr, step, state)
-        except ValueError as e:
-            if "holds per-worker state" in str(e):
-                raise
-            reasons.append(f"step {step}: {type(e).__name__}: {e}")
+        except CheckpointMismatch:
+            raise
         except Exception as e:  # orbax/tensorstore errors on truncated files, ...
             reasons.append(f"step {step}: {type(e).__name__}: {e}")
         else:
@@ -591,6 +733,40 @@ def restore_latest_good(
             + ". Move them away to start afresh, or use a new --workdir."
         )
     return 0, like
+
+
+def _is_closed_loop_noise(unraisable: Any) -> bool:
+    """A tensorstore read's callback that found orbax's event loop closed (see below)."""
+    exc, tb = unraisable.exc_value, unraisable.exc_traceback
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is None or tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """Drop the "Event loop is closed" tracebacks that follow a failed restore; keep the rest.
+
+    Orbax runs a restore's reads on a fresh asyncio loop and closes it as soon
+    as one read fails (a truncated file). Tensorstore completes the other reads
+    afterwards, and their callbacks find the loop closed: a ``RuntimeError``
+    that reaches ``sys.unraisablehook`` and is printed as a bare traceback
+    (nothing is lost; the failure itself is reported by
+    :func:`restore_latest_good`). This wraps the current hook, once per
+    process, dropping exactly that error (raised in asyncio's
+    ``_check_closed``) and passing every other on.
+    """
+    hook = sys.unraisablehook
+    if getattr(hook, "jaxcomm_quiet_closed_loop", False):
+        return
+
+    def quiet(unraisable):
+        if not _is_closed_loop_noise(unraisable):
+            hook(unraisable)
+
+    quiet.jaxcomm_quiet_closed_loop = True
+    sys.unraisablehook = quiet
 
 
 def _set_aside(mngr: ocp.CheckpointManager, steps: list[int], workdir: str) -> None:
@@ -704,6 +880,54 @@ def make_eval(model, ds: data_lib.Dataset, batch_size: int) -> Callable[[Any, An
 # --- the loop ------------------------------------------------------------------------------
 
 
+class NonFiniteError(FloatingPointError):
+    """The training loss or state turned NaN/Inf under ``config.on_nonfinite="abort"``."""
+
+
+def _nonfinite_error(step: int, what: str, mngr: ocp.CheckpointManager, config) -> NonFiniteError:
+    lr = config.optimizer.learning_rate * config.optimizer.get("lr_scale", 1.0)
+    last = _last_good(mngr)
+    where = "" if last == "none saved" else f" in {mngr.directory}"
+    return NonFiniteError(
+        f"step {step}: the training {what} is NaN/Inf: the run diverged. Stopped without "
+        f"saving (last good checkpoint: {last}{where}). Lower config.optimizer.learning_rate "
+        f"(the peak rate is {lr:g}), wrap the optimizer in jaxcomm.skip_nonfinite (it skips "
+        f"steps whose update is NaN/Inf), or set config.on_nonfinite=continue to train on."
+    )
+
+
+def _preemption_sync_point(counter: int) -> bool:
+    """Whether every process reached JAX's preemption sync point (a SIGTERM to any of them).
+
+    Multi-process runs under ``jax.distributed`` only, whose preemption service
+    catches SIGTERM; ``counter`` grows by one per training call on every process.
+    """
+    if jax.process_count() == 1 or not jax.distributed.is_initialized():
+        return False
+    if not jax.config.jax_enable_preemption_service:
+        return False
+    return multihost_utils.reached_preemption_sync_point(counter)
+
+
+def _jsonl(row: dict) -> str:
+    """``row`` as one line of strict JSON: NaN/Inf written as null."""
+    return json.dumps(runs.json_ready(row), allow_nan=False) + "\n"
+
+
+def check_workdir(workdir: str) -> None:
+    """Create ``workdir`` if needed and check that this process can write in it."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".jaxcomm_write_check", dir=workdir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"--workdir {workdir!r}: cannot write there ({type(e).__name__}: "
+            f"{e.strerror or e}); give a directory this process can create and write to"
+        ) from None
+
+
 def _read_metrics(path: str, upto: int) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -753,9 +977,16 @@ def _auto_optimizer(config, params, mesh, workdir: str, lead: bool):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Result:
-    """Train per ``config``; write checkpoints, metrics.jsonl and metrics.png to ``workdir``."""
+    """Train per ``config``; write checkpoints, metrics.jsonl and metrics.png to ``workdir``.
+
+    A training loss or state that turns NaN/Inf raises :class:`NonFiniteError`
+    (nothing non-finite is saved) unless ``config.on_nonfinite="continue"``.
+    In a multi-process run, a SIGTERM to any process (JAX's preemption
+    service) makes every process save a checkpoint at the same step and return.
+    """
     tx = validate(config)
     n = n_workers_of(config)
+    check_workdir(workdir)
     ds = data_lib.load(config.data, n, seed=config.seed)
     if not ds.is_lm and config.data.batch_size > ds.x_train.shape[1]:
         raise ValueError(
@@ -773,9 +1004,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
         jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
     )
 
-    os.makedirs(workdir, exist_ok=True)
     mngr = checkpoint_manager(workdir)
-    start, state = restore_latest_good(mngr, state, n, workdir)
+    try:
+        start, state = restore_latest_good(mngr, state, n, workdir, config)
+    except Exception:
+        mngr.close()
+        raise
     if start and lead:
         print(f"resumed from the checkpoint of step {start} in {workdir}", flush=True)
     state = distributed.shard_rows(state, mesh, AXIS)
@@ -796,7 +1030,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     metrics = _read_metrics(metrics_path, start)
     if lead:
         with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in metrics)
+            f.writelines(_jsonl(r) for r in metrics)
     train_s = metrics[-1].get("train_s", 0.0) if metrics else 0.0
 
     from tqdm import tqdm
@@ -805,49 +1039,71 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     # stop_after: end the run early on the same schedule (a probe of a long run's first steps)
     total = min(total, _positive_int(config.get("stop_after", 0), "config.stop_after", 0) or total)
     eval_every, ckpt_every = config.get("eval_every", 0), config.get("checkpoint_every", 0)
+    abort = config.get("on_nonfinite", "abort") == "abort"
     show = config.get("progress", True) and lead
     bar = tqdm(total=total, initial=start, unit="step", disable=not show)
     t0, step, losses, call_s = time.perf_counter(), start, [], []
-    while step < total:
-        t_call = time.perf_counter()
-        state, call_losses = train_call(state, x_train, y_train)
-        state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
-        call_s.append(time.perf_counter() - t_call)
-        train_s += call_s[-1]
-        step += per_call
-        losses.extend(np.asarray(call_losses).tolist())
-        sent = comm_steps(config, step) * bytes_per_comm
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", MB_sent=f"{sent / 1e6:.2f}", refresh=False)
-        bar.update(per_call)
-        if (eval_every and step % eval_every == 0) or step == total:
-            # Worker 0's params live on process 0 (the mesh puts its devices first):
-            # evaluating them needs no communication, and the others go on meanwhile.
-            # call_s: each training call's seconds since the last row (steady state: their median)
-            row = {"step": step, "loss": float(np.mean(losses)), "call_s": call_s}
-            losses, call_s = [], []
-            if lead:
-                row.update(evaluate(*distributed.local_row((state.params, state.batch_stats), 0)))
-                row.update(
-                    wire_bytes=int(sent),
-                    sim_time_s=comm_steps(config, step) * time_per_comm + step * compute_s,
-                    train_s=train_s,
-                    compile_s=compile_s,
-                    processes=jax.process_count(),
-                    wall_s=time.perf_counter() - t0,
-                )
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                bar.write(
-                    f"step {step}: loss {row['loss']:.4f} eval_loss {row['eval_loss']:.4f} "
-                    f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB "
-                    f"train {train_s:.2f}s sim {row['sim_time_s']:.3f}s"
-                )
-            metrics.append(row)
-        if (ckpt_every and step % ckpt_every == 0) or step == total:
-            save_state(mngr, step, state)
-    bar.close()
-    mngr.wait_until_finished()
-    mngr.close()
+    try:
+        while step < total:
+            t_call = time.perf_counter()
+            state, call_losses = train_call(state, x_train, y_train)
+            state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
+            call_s.append(time.perf_counter() - t_call)
+            train_s += call_s[-1]
+            step += per_call
+            call_losses = np.asarray(call_losses)  # the worker mean: alike on every process
+            losses.extend(call_losses.tolist())
+            if abort and not np.isfinite(call_losses).all():
+                first = int(np.flatnonzero(~np.isfinite(call_losses))[0])
+                raise _nonfinite_error(step - per_call + 1 + first, "loss", mngr, config)
+            sent = comm_steps(config, step) * bytes_per_comm
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", MB_sent=f"{sent / 1e6:.2f}", refresh=False)
+            bar.update(per_call)
+            if (eval_every and step % eval_every == 0) or step == total:
+                # Worker 0's params live on process 0 (the mesh puts its devices first):
+                # evaluating them needs no communication, and the others go on meanwhile.
+                # call_s: each training call's seconds since the last row (steady state: median)
+                row = {"step": step, "loss": float(np.mean(losses)), "call_s": call_s}
+                losses, call_s = [], []
+                if lead:
+                    variables = distributed.local_row((state.params, state.batch_stats), 0)
+                    row.update(evaluate(*variables))
+                    row.update(
+                        wire_bytes=int(sent),
+                        sim_time_s=comm_steps(config, step) * time_per_comm + step * compute_s,
+                        train_s=train_s,
+                        compile_s=compile_s,
+                        processes=jax.process_count(),
+                        wall_s=time.perf_counter() - t0,
+                    )
+                    with open(metrics_path, "a") as f:
+                        f.write(_jsonl(row))
+                    bar.write(
+                        f"step {step}: loss {row['loss']:.4f} eval_loss {row['eval_loss']:.4f} "
+                        f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB "
+                        f"train {train_s:.2f}s sim {row['sim_time_s']:.3f}s"
+                    )
+                metrics.append(row)
+            saved = None
+            if (ckpt_every and step % ckpt_every == 0) or step == total:
+                saved = save_state(mngr, step, state, config)
+            preempted = _preemption_sync_point(step // per_call)
+            if preempted and saved is None:
+                saved = save_state(mngr, step, state, config)
+            if saved is False and abort:
+                raise _nonfinite_error(step, "state", mngr, config)
+            if preempted:
+                if lead:
+                    what = "saved its checkpoint" if saved else "saved nothing (NaN/Inf state)"
+                    bar.write(
+                        f"preempted (SIGTERM) at step {step}: {what} in {workdir}; the same "
+                        "command resumes the run"
+                    )
+                break
+    finally:
+        bar.close()
+        mngr.wait_until_finished()
+        mngr.close()
     if lead and metrics and config.get("plot", True):
         plot_metrics(metrics, os.path.join(workdir, "metrics.png"), config.netsim.gbps)
     host = distributed.gather(tuple(state))  # every process takes part; keys as key data

@@ -740,7 +740,20 @@ state (residuals, PowerSGD Q, PRNG keys, counters) and the step every
 batches are a pure function of (seed, worker, step). Running again with the
 same `--workdir` resumes from the latest checkpoint, bit-identical to an
 uninterrupted run (`tests/test_train.py`). Resuming with another number of
-workers is refused with an error naming both counts.
+workers is refused with an error naming both counts. So is a workdir trained
+with another method or model: its checkpoints are intact, and the error names
+the leaves and config keys that differ (each checkpoint records its config in
+`jaxcomm_config.json`); resume with that configuration or use a fresh
+`--workdir`. Nothing is moved aside for it.
+
+**Divergence.** A run whose training loss or state turns NaN/Inf stops with
+`NonFiniteError` (exit status 1), saving nothing non-finite; the message names
+the step, the last good checkpoint and the fixes (a lower learning rate,
+`jaxcomm.skip_nonfinite`, or `--config.on_nonfinite=continue`, which trains
+on; non-finite states are still never checkpointed). `metrics.jsonl` is strict
+JSON: NaN/Inf are written as `null`. A `--config.KEY` the config lacks is
+refused with close matches and the keys available; the learning rate must be
+finite and > 0 and `--workdir` writable, both checked before data is loaded.
 
 **Checkpoint integrity.** Each process writes
 `checkpoints/<step>/jaxcomm_checksums.p<i>.json`, the SHA-256 of every
@@ -835,6 +848,20 @@ predict, so halving the bytes can save less than half the time;
 `jaxcomm.netsim` and the `exchange="auto"` rule count bytes only.
 
 ## Fault tolerance
+
+**Preemption.** SIGTERM (or Ctrl-C) to the launcher sends SIGTERM to every
+process; `experiments.main` takes it as JAX's preemption notice: every
+process saves a checkpoint at the same step, process 0 prints `preempted
+(SIGTERM) at step N`, and they exit. The launcher sends SIGKILL after
+`--stop_grace_s` (60 s; a second signal kills at once) and exits with 128 +
+the signal. The same command again resumes. On a cluster, SIGTERM to every
+process does the same. When a process dies, a survivor's failed collective
+makes it exit at once with a message, instead of waiting in
+`jax.distributed`'s shutdown barrier and aborting. (A survivor that was
+inside a checkpoint's save barrier when its peer died still waits for JAX's
+heartbeat timeout.) The DiLoCo family needs floating-point params: an
+integer or bool leaf raises `TypeError` naming it (leave such leaves out with
+`optax.partition` / `optax.masked`).
 
 Checkpoints become visible only when complete. `tests/test_distributed.py`
 runs 2 processes and `kill -9`s one after the step-100 checkpoint: the

@@ -237,6 +237,15 @@ def check_compressor_axis(comp: Any, params: Any, axis_name: AxisName | None) ->
         )
 
 
+def check_float_params(params: Any) -> None:
+    """Every leaf of ``params`` must be floating point (the outer step of DiLoCo moves each).
+
+    ``TypeError`` naming the first integer/bool leaf and how to leave it out
+    (the compressors' check, :func:`jaxcomm.core.check_float_leaves`).
+    """
+    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+
+
 def _queue(params: Any, depth: int) -> Any:
     return jax.tree.map(lambda p: jnp.zeros((depth,) + jnp.shape(p), jnp.result_type(p)), params)
 
@@ -492,7 +501,8 @@ def diloco(
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`; its
       ``update`` requires ``params`` (``ValueError`` naming ``params``
-      otherwise).
+      otherwise). ``init`` takes floating-point params only (the outer step
+      moves every leaf): an integer or bool leaf raises ``TypeError`` naming it.
 
     Example:
       >>> tx = jaxcomm.diloco(optax.adamw(1e-3), every=500, axis_name="data")
@@ -511,6 +521,7 @@ def diloco(
     comp = as_compressor(compressor, axis_name)
 
     def init_fn(params):
+        check_float_params(params)
         if comp is not None:
             check_compressor_axis(comp, params, axis_name)
         anchor = jax.tree.map(jnp.asarray, params)
@@ -623,6 +634,7 @@ def delayed_averaging(
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
     def init_fn(params):
+        check_float_params(params)
         return DelayedAveragingState(
             count=zero_count(),
             head=zero_count(),

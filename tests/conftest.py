@@ -138,6 +138,10 @@ SLOW_TESTS = {
     "test_sync.py": {"test_local_sgd_and_diloco_every_8_within_two_points_of_synchronous_sgd"},
     "test_optim.py": {"test_zero_one_adam_reaches_dense_adams_accuracy_on_digits"},
     "test_peers_report.py": {"test_each_configuration_builds_and_steps"},
+    "test_harness_defects.py": {  # two real processes each (gloo), a minute or two each
+        "test_sigterm_checkpoints_a_two_process_run_which_then_resumes",
+        "test_the_survivor_of_a_dead_peer_exits_at_once_not_after_the_shutdown_barrier",
+    },
 }
 # parametrized tests whose other cases are slow: these cases (`name`, else the case's
 # id) stay in `pytest -q`

@@ -38,6 +38,9 @@ def base() -> ml_collections.ConfigDict:
     c.checkpoint_every = 200
     c.eval_batch_size = 1024
     c.netsim = ml_collections.ConfigDict({"gbps": 10.0, "latency_us": 10.0, "compute_s": 0.0})
+    # "abort": a NaN/Inf training loss or state stops the run with an error, saving nothing
+    # non-finite; "continue": train on (non-finite states are still never checkpointed)
+    c.on_nonfinite = "abort"
     c.progress = True
     c.plot = True
     return c

@@ -204,6 +204,7 @@ class StreamingDiLoCo:
         return [[j for j, g in enumerate(of) if g == f] for f in range(self.fragments)]
 
     def init(self, params: Any) -> StreamingDiLoCoState:
+        sync.check_float_params(params)
         if self.comp is not None:
             sync.check_compressor_axis(self.comp, params, self.axis_name)
         anchor = jax.tree.map(jnp.asarray, params)
