@@ -51,7 +51,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from experiments import data as data_lib
-from experiments import train
+from experiments import optimizers, train
 from experiments.studies import runs
 from jaxcomm import calibrate, distributed, policy
 
@@ -63,8 +63,8 @@ def base_optimizer(config) -> optax.GradientTransformation:
     name = config.optimizer.name
     kwargs = dict(config.optimizer.get("kwargs", {}))
     if name in ("sgd", "adam", "adamw"):
-        return getattr(optax, name)(train.learning_rate(config), **kwargs)
-    return optax.sgd(train.learning_rate(config))
+        return getattr(optax, name)(optimizers.learning_rate(config), **kwargs)
+    return optax.sgd(optimizers.learning_rate(config))
 
 
 def train_call(config, model, params, stats, mesh, ds, tx) -> Callable[[], Any]:
@@ -73,13 +73,13 @@ def train_call(config, model, params, stats, mesh, ds, tx) -> Callable[[], Any]:
     Each ``run()`` makes one call (``config.steps_per_call`` steps) on the
     state the previous one returned and waits for it.
     """
-    n = mesh.shape[train.AXIS]
+    n = mesh.shape[optimizers.AXIS]
     stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a[None], (n,) + a.shape), t)
     state = train.TrainState(
         jnp.zeros((n,), jnp.int32), stack(params), stack(stats), stack(tx.init(params))
     )
-    held = [distributed.shard_rows(state, mesh, train.AXIS)]
-    x, y = distributed.shard_rows((ds.x_train, ds.y_train), mesh, train.AXIS)
+    held = [distributed.shard_rows(state, mesh, optimizers.AXIS)]
+    x, y = distributed.shard_rows((ds.x_train, ds.y_train), mesh, optimizers.AXIS)
     call = train.make_train_call(model, tx, mesh, ds, config).lower(held[0], x, y).compile()
 
     def run():
@@ -135,17 +135,17 @@ def advise(config, repeats: int = 7) -> dict:
     n = train.n_workers_of(config)
     ds = data_lib.load(config.data, n, seed=config.seed)
     model, params, stats = train.build_model(config, ds)
-    mesh = distributed.global_mesh(train.AXIS, n)
-    cal = calibrate.calibrate(mesh, train.AXIS)
+    mesh = distributed.global_mesh(optimizers.AXIS, n)
+    cal = calibrate.calibrate(mesh, optimizers.AXIS)
     compute_s = compute_step_s(config, model, params, stats, mesh, ds)
     costs = policy.measure(
-        params, mesh, train.AXIS, repeats=repeats, drop=False, statistic="median"
+        params, mesh, optimizers.AXIS, repeats=repeats, drop=False, statistic="median"
     )
     # the same samples, round by round: auto's rule (a compressed candidate must beat dense
     # by the margin in most rounds, not in one lucky one)
-    rounds = policy.measure(params, mesh, train.AXIS, repeats=repeats, drop=False, rounds=True)
-    choice = policy.choose(params, mesh, train.AXIS, calibration=cal, costs=costs, rounds=rounds,
-                           **guard_options(config))  # fmt: skip
+    rounds = policy.measure(params, mesh, optimizers.AXIS, repeats=repeats, drop=False, rounds=True)
+    choice = policy.choose(params, mesh, optimizers.AXIS, calibration=cal, costs=costs,
+                           rounds=rounds, **guard_options(config))  # fmt: skip
     rows = [
         dict(r._asdict(), predicted_step_s=predicted_step(compute_s, r.seconds, r.predicted_s),
              measured_step_s=compute_s + r.seconds, model_step_s=compute_s + r.predicted_s)

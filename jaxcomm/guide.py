@@ -1227,16 +1227,15 @@ top-k break-even, measured against predicted step times from
       divergence.py    which values of a traced step may differ between workers
       flax.py          the same for flax nnx (imports flax; optional)
       guide.py         this guide (a docstring only)
-    experiments/       main.py + train.py (the harness) + configs/ (their variants are the
-                       method registry); advise.py (is compression worth it here?);
-                       digits.py (train.py's step on digits, any tx);
-                       examples/ (nnx and linen loops); bench/ (benchmarks: timings,
-                       threshold_fill, whatif, sync_sweep, overlap, auto, torch_peers: PyTorch
-                       DDP twins);
-                       launch.py, netlab/ (real processes, shaped links); studies/ (the
-                       comparison job and its time axis, the LM study, the MLP netstudy,
-                       verdict rules, generated tables); results/ (the JSON behind every
-                       table)
+    experiments/       main.py + train.py (the harness's loop), optimizers.py (a config's optax
+                       chain), checkpoints.py (checksummed orbax checkpoints) + configs/ (their
+                       variants are the method registry); advise.py (is compression worth it here?);
+                       digits.py (train.py's step on digits, any tx); examples/ (nnx and linen
+                       loops); bench/ (benchmarks: timings, threshold_fill, whatif, sync_sweep,
+                       overlap, auto, torch_peers: PyTorch DDP twins); launch.py, netlab/ (real
+                       processes, shaped links); studies/ (the comparison job and its time axis, the
+                       LM study, the MLP netstudy, verdict rules, generated tables); results/ (the
+                       JSON behind every table)
     tests/             one module per jaxcomm module, test_registry.py (every public
                        transform), convergence, real processes, netlab, notebooks
     colab/             notebooks

@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import jaxcomm
-from experiments import digits, train
+from experiments import digits, optimizers, train
 from experiments.configs import common, digits_compare
 from experiments.studies import tta
 from jaxcomm import netsim
@@ -43,7 +43,7 @@ def test_every_method_is_a_valid_config_variant():
     for name in digits_compare.VARIANTS:
         config = common.variant_config(digits_compare, name, learning_rate=0.3)
         train.validate(config)  # raises naming the key if a variant were malformed
-        assert train.learning_rate(config) == pytest.approx(0.03 if "DGC" in name else 0.3)
+        assert optimizers.learning_rate(config) == pytest.approx(0.03 if "DGC" in name else 0.3)
     assert common.comm_every(digits_compare.get_config("local SGD H=8")) == 8
     assert common.comm_every(digits_compare.get_config("EF-sign")) == 1
     with pytest.raises(ValueError, match="unknown"):

@@ -5,7 +5,7 @@ import optax
 import pytest
 
 from experiments import data as data_lib
-from experiments import train
+from experiments import optimizers
 from experiments.configs import lm_shakespeare
 
 
@@ -35,7 +35,7 @@ def test_validation_windows_come_only_from_held_out_plays(plays):
 
 def test_every_variant_shares_dense_s_optimizer_and_schedule():
     dense = lm_shakespeare.get_config("dense")
-    sched = train.learning_rate(dense)
+    sched = optimizers.learning_rate(dense)
     # warm-up from 0 to the peak at step 100, cosine to 0.1x at the last step (closed form)
     peak, last = dense.optimizer.learning_rate, dense.num_train_steps
     assert last == 2000  # the study's length
@@ -53,7 +53,7 @@ def test_every_variant_shares_dense_s_optimizer_and_schedule():
             assert c.optimizer.schedule.to_dict() == dense.optimizer.schedule.to_dict(), name
         else:
             assert c.optimizer.to_dict() == dense.optimizer.to_dict(), name
-        assert isinstance(train.make_optimizer(c), optax.GradientTransformation)
+        assert isinstance(optimizers.make_optimizer(c), optax.GradientTransformation)
     # the counterparts: MuLoCo's inner Muon every step; DeMo's optimizer keeping everything
     muon, muloco = (lm_shakespeare.get_config(m) for m in ("muon", "muloco"))
     assert muon.optimizer.to_dict() == muloco.optimizer.to_dict() and muon.wrapper.name == "none"
@@ -66,4 +66,4 @@ def test_schedule_rejects_a_warmup_as_long_as_the_run():
     c = lm_shakespeare.get_config()
     c.optimizer.schedule.warmup_steps = c.num_train_steps
     with pytest.raises(ValueError, match="warmup_steps"):
-        train.learning_rate(c)
+        optimizers.learning_rate(c)

@@ -80,9 +80,9 @@ def _load_params(workdir, step):
     import jax
     import orbax.checkpoint as ocp
 
-    from experiments import train
+    from experiments import checkpoints
 
-    mngr = train.checkpoint_manager(str(workdir))
+    mngr = checkpoints.checkpoint_manager(str(workdir))
     meta = mngr.item_metadata(step).tree
     template = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta)
     tree = mngr.restore(step, args=ocp.args.StandardRestore(template))

@@ -24,8 +24,8 @@ import optax
 import pytest
 
 import jaxcomm
+from experiments import checkpoints, train
 from experiments import data as data_lib
-from experiments import train
 from experiments.configs import digits_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,7 +62,7 @@ def _strict_rows(path):
 
 
 def _steps(work):
-    return sorted(train.checkpoint_manager(str(work)).all_steps())
+    return sorted(checkpoints.checkpoint_manager(str(work)).all_steps())
 
 
 def _env(**extra):
@@ -108,11 +108,11 @@ def test_a_resumed_run_that_diverges_names_the_last_good_checkpoint(tmp_path):
 
 
 def test_the_nonfinite_warning_names_no_step_none(tmp_path, caplog):
-    mngr = train.checkpoint_manager(str(tmp_path))
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
     w = np.full((8, 3), np.nan, np.float32)
     state = train.TrainState(np.zeros(8, np.int32), {"w": w}, {}, ())
     with caplog.at_level("WARNING"):
-        assert train.save_state(mngr, 2, state) is False
+        assert checkpoints.save_state(mngr, 2, state) is False
     assert "last good checkpoint is kept (none saved)" in caplog.text
     assert "None" not in caplog.text
     mngr.close()
@@ -146,7 +146,7 @@ def test_the_command_line_exits_non_zero_with_the_message_only(tmp_path):
 
 def test_resuming_another_methods_workdir_is_a_mismatch_not_corruption(tmp_path):
     train.train_and_evaluate(tiny("topk"), str(tmp_path))
-    with pytest.raises(train.CheckpointMismatch) as e:
+    with pytest.raises(checkpoints.CheckpointMismatch) as e:
         train.train_and_evaluate(tiny("powersgd", steps=4), str(tmp_path))
     msg = str(e.value)
     assert "holds checkpoints of a different configuration" in msg, msg
@@ -336,10 +336,10 @@ def test_a_truncated_checkpoint_prints_no_closed_event_loop_tracebacks(tmp_path,
     open(biggest, "wb").write(data[: len(data) // 2])
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
-    mngr = train.checkpoint_manager(str(tmp_path))
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
     for _ in range(10):  # the stray callbacks race with the failure: try it a few times
-        with pytest.raises(train.CorruptCheckpoint, match="no usable checkpoint"):
-            train.restore_latest_good(mngr, result.state, 8, str(tmp_path))
+        with pytest.raises(checkpoints.CorruptCheckpoint, match="no usable checkpoint"):
+            checkpoints.restore_latest_good(mngr, result.state, 8, str(tmp_path))
     time.sleep(0.5)
     mngr.close()
     closed = [u for u in seen if "Event loop is closed" in str(u.exc_value)]

@@ -4,6 +4,8 @@ The layers, bottom up: ``ledger`` (the byte ledger) and ``collectives`` (thin
 wrappers over lax collectives) import nothing of jaxcomm but the ledger;
 ``buckets`` (tensor fusion) is built on them; ``accounting`` reads the ledger
 and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) sits on top.
+The training harness (``experiments.train`` over ``optimizers`` and
+``checkpoints``) and what it imports have no cycle either.
 """
 
 import ast
@@ -11,6 +13,11 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxcomm"
+EXPERIMENTS = ROOT / "experiments"
+# The harness modules. Only they and what they import are checked in experiments/: elsewhere
+# bench.auto, studies.lm, studies.lm_figure, studies.tables and bench.step_parts import each
+# other (lazily, inside functions) in a cycle.
+HARNESS = ("experiments.train", "experiments.optimizers", "experiments.checkpoints")
 # the package's __init__ (it imports everything, and importing any submodule runs it first),
 # the guide (a docstring only) and the optional flax integration: not read as importers
 NOT_SOURCES = {"jaxcomm/__init__.py", "jaxcomm/guide.py", "jaxcomm/flax.py"}
@@ -21,24 +28,26 @@ def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, pathlib.Path]:
-    """Every module under jaxcomm/: dotted name -> path."""
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def modules(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
+    """Every module under ``package`` (jaxcomm/): dotted name -> path."""
+    return {module_name(p): p for p in sorted(package.rglob("*.py"))}
 
 
 def imported(path: pathlib.Path, known: set[str], root: pathlib.Path = ROOT) -> set[str]:
-    """The jaxcomm modules ``path`` imports anywhere in its body (functions included).
+    """The modules of ``known`` that ``path`` imports anywhere in its body (functions included).
 
     ``from jaxcomm import buckets`` names module ``jaxcomm.buckets``; ``from
     jaxcomm.compressors.sparse import f`` names ``jaxcomm.compressors.sparse``;
-    relative imports are resolved against the file's package.
+    relative imports are resolved against the file's package. Only imports of
+    ``known``'s top-level packages (jaxcomm, experiments) are read.
     """
+    tops = {k.split(".")[0] for k in known}
     name = module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "jaxcomm"}
+            found |= {a.name for a in node.names if a.name.split(".")[0] in tops}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -46,7 +55,7 @@ def imported(path: pathlib.Path, known: set[str], root: pathlib.Path = ROOT) -> 
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            if source.split(".")[0] != "jaxcomm":
+            if source.split(".")[0] not in tops:
                 continue
             for a in node.names:
                 sub = f"{source}.{a.name}"
@@ -125,3 +134,19 @@ def test_the_communication_layers():
     assert graph["jaxcomm.collectives"] <= {"jaxcomm.ledger"}
     assert graph["jaxcomm.buckets"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
     assert graph["jaxcomm.accounting"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
+
+
+def test_the_harness_modules_import_each_other_without_a_cycle():
+    mods = modules(EXPERIMENTS)
+    graph = {name: imported(path, set(mods)) for name, path in mods.items()}
+    assert {"experiments.checkpoints", "experiments.optimizers"} <= graph["experiments.train"]
+    for low in ("experiments.checkpoints", "experiments.optimizers"):
+        assert "experiments.train" not in graph[low], low
+    reached, todo = set(), list(HARNESS)
+    while todo:  # the harness modules and everything they import, transitively
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(graph[name])
+    cycle = find_cycle({name: graph[name] & reached for name in reached})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from experiments import checkpoints, optimizers, train
 from experiments import data as data_lib
-from experiments import train
 from experiments.configs import (
     char_transformer,
     cifar_resnet,
@@ -79,7 +79,7 @@ def test_one_step(name, tmp_path):
     result = train.train_and_evaluate(config, str(tmp_path))
     (row,) = result.metrics
     assert row["step"] == 1 and np.isfinite(row["loss"]) and 0.0 <= row["accuracy"] <= 1.0
-    synced = train.comm_steps(config, 1) == 1  # local SGD (every 8) has not synced yet
+    synced = optimizers.comm_steps(config, 1) == 1  # local SGD (every 8) has not synced yet
     assert (row["wire_bytes"] > 0) == synced and (row["sim_time_s"] > 0) == synced
     assert np.all(result.state.step == 1)
     assert os.path.exists(tmp_path / "metrics.jsonl")
@@ -91,11 +91,11 @@ def test_checkpoint_round_trip_bit_exact(variant, tmp_path):
     # PowerSGD: residuals, Q, counters; QSGD: a PRNG key and counters.
     config = tiny(digits_mlp.get_config(variant), steps=4, per_call=2)
     result = train.train_and_evaluate(config, str(tmp_path))
-    mngr = train.checkpoint_manager(str(tmp_path))
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
     assert mngr.latest_step() == 4
     template = jax.tree.map(np.zeros_like, result.state)
-    restored = train.restore_state(mngr, 4, template)
-    assert_bit_equal(train.to_host(restored), result.state)
+    restored = checkpoints.restore_state(mngr, 4, template)
+    assert_bit_equal(checkpoints.to_host(restored), result.state)
     opt_leaves = jax.tree.leaves(result.state.opt_state)
     assert any(x.dtype == np.int32 and x.max() > 0 for x in opt_leaves)  # counters moved
     if variant == "qsgd":  # typed PRNG keys are saved as their key data
@@ -300,30 +300,30 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(
     assert_bit_equal(resumed.state, uninterrupted_8.state)
     # the bad checkpoint was set aside (not rotated with the good ones), the good ones kept
     assert os.listdir(os.path.join(work, "corrupt_checkpoints"))[0].startswith("6.")
-    assert sorted(train.checkpoint_manager(work).all_steps()) == [6, 8]
+    assert sorted(checkpoints.checkpoint_manager(work).all_steps()) == [6, 8]
 
 
 def test_flipped_bytes_are_caught_by_the_checksum(tmp_path):
     result = train.train_and_evaluate(_ckpt_cfg(2), str(tmp_path))
-    mngr = train.checkpoint_manager(str(tmp_path))
+    mngr = checkpoints.checkpoint_manager(str(tmp_path))
     template = jax.tree.map(np.zeros_like, result.state)
-    state = train.restore_state(mngr, 2, template)
-    train.verify_state(mngr, 2, state)  # intact: passes
+    state = checkpoints.restore_state(mngr, 2, template)
+    checkpoints.verify_state(mngr, 2, state)  # intact: passes
     kernel = np.array(state.params["Dense_0"]["kernel"])
     kernel.view(np.uint32)[3, 0, 0] ^= 1  # one low mantissa bit: finite, plausible
     bad = state._replace(params={**state.params, "Dense_0": {**state.params["Dense_0"]}})
     bad.params["Dense_0"]["kernel"] = kernel
-    with pytest.raises(train.CorruptCheckpoint, match=r"Dense_0.*kernel.*\[3:4.*SHA-256"):
-        train.verify_state(mngr, 2, bad)
+    with pytest.raises(checkpoints.CorruptCheckpoint, match=r"Dense_0.*kernel.*\[3:4.*SHA-256"):
+        checkpoints.verify_state(mngr, 2, bad)
     kernel[0, 0, 0] = np.nan
-    with pytest.raises(train.CorruptCheckpoint, match=r"NaN/Inf in .*Dense_0"):
-        train.verify_state(mngr, 2, bad)
+    with pytest.raises(checkpoints.CorruptCheckpoint, match=r"NaN/Inf in .*Dense_0"):
+        checkpoints.verify_state(mngr, 2, bad)
 
 
 def test_checkpoints_from_before_checksums_still_resume(tmp_path, caplog, capsys):
     work = str(tmp_path)
     train.train_and_evaluate(_ckpt_cfg(4), work)
-    os.remove(os.path.join(work, "checkpoints", train.CHECKSUMS_MARKER))
+    os.remove(os.path.join(work, "checkpoints", checkpoints.CHECKSUMS_MARKER))
     _remove_checksums(os.path.join(work, "checkpoints", "4"))
     with caplog.at_level("WARNING"):
         resumed = train.train_and_evaluate(_ckpt_cfg(6), work)
@@ -338,7 +338,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
     for step in ("2", "4"):
         _empty_metadata(os.path.join(work, "checkpoints", step))
     with pytest.raises(
-        train.CorruptCheckpoint, match=r"no usable checkpoint .*unreadable metadata"
+        checkpoints.CorruptCheckpoint, match=r"no usable checkpoint .*unreadable metadata"
     ):
         train.train_and_evaluate(_ckpt_cfg(6), work)
 
@@ -346,17 +346,17 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path):
 def test_nonfinite_state_is_not_saved_and_keeps_the_last_good(tmp_path, caplog):
     work = str(tmp_path)
     result = train.train_and_evaluate(_ckpt_cfg(4), work)
-    mngr = train.checkpoint_manager(work)
+    mngr = checkpoints.checkpoint_manager(work)
     state = result.state
     kernel = np.array(state.params["Dense_0"]["kernel"])
     kernel[0, 0, 0] = np.inf
     params = {**state.params, "Dense_0": {**state.params["Dense_0"], "kernel": kernel}}
     with caplog.at_level("WARNING"):
-        assert train.save_state(mngr, 6, state._replace(params=params)) is False
-        assert train.save_state(mngr, 8, state._replace(params=params)) is False
+        assert checkpoints.save_state(mngr, 6, state._replace(params=params)) is False
+        assert checkpoints.save_state(mngr, 8, state._replace(params=params)) is False
     assert "NaN/Inf; checkpoint not saved" in caplog.text
     assert sorted(mngr.all_steps()) == [2, 4]  # nothing rotated out
-    assert train.save_state(mngr, 6, state) is True
+    assert checkpoints.save_state(mngr, 6, state) is True
     assert sorted(mngr.all_steps()) == [4, 6]
 
 

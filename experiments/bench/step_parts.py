@@ -67,7 +67,7 @@ def define_flags() -> None:
 
 def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
     """One link's measurements; every process of the launch runs it."""
-    from experiments import advise, train
+    from experiments import advise, optimizers, train
     from experiments import data as data_lib
     from experiments.bench import timing
     from experiments.configs import digits_mlp
@@ -81,9 +81,9 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
     n = train.n_workers_of(base)
     ds = data_lib.load(base.data, n, seed=base.seed)
     model, params, stats = train.build_model(base, ds)
-    mesh = distributed.global_mesh(train.AXIS, n)
+    mesh = distributed.global_mesh(optimizers.AXIS, n)
     txs = {"none": advise.base_optimizer(base)}
-    txs.update({m: train.make_optimizer(c) for m, c in configs.items()})
+    txs.update({m: optimizers.make_optimizer(c) for m, c in configs.items()})
     runs = {k: advise.train_call(base, model, params, stats, mesh, ds, tx) for k, tx in txs.items()}
     times: dict[str, list[float]] = {k: [] for k in runs}
     for names in timing.shuffled_rounds(runs, rounds):
@@ -95,18 +95,19 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
         for k, t in zip(names, calibrate.slowest_process(got)):
             times[k].append(t / steps_per_call)
 
-    # measure builds each candidate on train.AXIS; the "@local" ones ignore it (no exchange)
-    cands = [policy.Candidate(m, functools.partial(train.make_compressor, configs[m]))
+    # measure builds each candidate on optimizers.AXIS; the "@local" ones ignore it (no exchange)
+    cands = [policy.Candidate(m, functools.partial(optimizers.make_compressor, configs[m]))
              for m in methods]  # fmt: skip
-    cands += [policy.Candidate(f"{m}@local", lambda _, c=configs[m]: train.make_compressor(c, None))
+    cands += [policy.Candidate(f"{m}@local",
+                               lambda _, c=configs[m]: optimizers.make_compressor(c, None))
               for m in methods]  # fmt: skip
-    parts = policy.measure(params, mesh, train.AXIS, candidates=cands, repeats=repeats,
+    parts = policy.measure(params, mesh, optimizers.AXIS, candidates=cands, repeats=repeats,
                            drop=False, statistic="median")  # fmt: skip
     out = {"n": n, "steps_per_call": steps_per_call, "rounds": rounds, "methods": {}}
     for k in runs:
         row = {"step_s": statistics.median(times[k]), "mean_step_s": statistics.fmean(times[k])}
         if k != "none":
-            comm = train.make_compressor(configs[k])
+            comm = optimizers.make_compressor(configs[k])
             row.update(
                 exchange_s=parts[k],
                 codec_s=parts[f"{k}@local"],

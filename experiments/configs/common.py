@@ -85,11 +85,13 @@ def optimizer(
 
     E.g. ``optimizer(digits_compare, "EF-sign", learning_rate=0.3)``: its
     collectives over axis ``"data"``, its keys from the config's seed
-    (:func:`experiments.train.make_optimizer`).
+    (:func:`experiments.optimizers.make_optimizer`).
     """
-    from experiments import train  # the harness composes; configs only hold values
+    from experiments import optimizers  # the harness composes; configs only hold values
 
-    return train.make_optimizer(variant_config(config_module, variant, learning_rate=learning_rate))
+    return optimizers.make_optimizer(
+        variant_config(config_module, variant, learning_rate=learning_rate)
+    )
 
 
 def comm_every(c: ml_collections.ConfigDict) -> int:

@@ -3,7 +3,7 @@ r"""The comparison study's methods: MLP on digits, 8 workers, full-shard SGD, on
 The method registry of ``python -m experiments.studies.compare`` (the README's
 main job) and of the notebooks in ``colab/``: a variant is a method, named by
 the label the study prints; :func:`experiments.configs.common.optimizer` builds
-its optimizer (as :func:`experiments.train.make_optimizer` does for any
+its optimizer (as :func:`experiments.optimizers.make_optimizer` does for any
 config), so adding a method is adding one variant here.
 
 Variants (``:NAME``): dense fp32, dense bf16 (the bf16 psum, as the recorded

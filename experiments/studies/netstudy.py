@@ -174,7 +174,7 @@ def _comm_prediction(
     import jax
 
     from experiments import data as data_lib
-    from experiments import models, train
+    from experiments import models, optimizers
     from experiments.configs import digits_mlp
     from jaxcomm import accounting, netsim
 
@@ -186,11 +186,11 @@ def _comm_prediction(
     net = models.build("mlp", num_classes=ds.num_classes, **dict(config.model.kwargs))
     params = net.init(jax.random.key(0), ds.example_input(), train=False)["params"]
     link = netsim.Link(rate_bps * ETHERNET_GOODPUT, 0.0)
-    fraction = train.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
+    fraction = optimizers.comm_steps(config, 1000) / 1000  # local SGD / DiLoCo sync 1 step in H
     wire = per_comm = colls = 0.0
     for weight, cfg in _phases(config, steps):
         # the bytes CPU processes move: XLA:CPU sums bf16 in f32 (see jaxcomm.accounting)
-        moved = accounting.wire_report(train.make_optimizer(cfg), params, n, backend="cpu")
+        moved = accounting.wire_report(optimizers.make_optimizer(cfg), params, n, backend="cpu")
         per_comm += weight * (netsim.exchange_time(moved, n, link) if moved else 0.0)
         wire += weight * sum(netsim_bytes(c, n) for c in moved)
         colls += weight * len(moved)

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 import jaxcomm
-from experiments import digits, train
+from experiments import digits, optimizers
 from experiments.configs import common, digits_compare
 from jaxcomm import netsim
 
@@ -137,7 +137,7 @@ def run(
                 f"method: unknown {method!r}; choose from {sorted(digits_compare.VARIANTS)}"
             )
         config = common.variant_config(digits_compare, method, learning_rate=lr)
-        tx, every = train.make_optimizer(config), common.comm_every(config)
+        tx, every = optimizers.make_optimizer(config), common.comm_every(config)
     n = split.x_train.shape[0]
     curve = digits.train_curve(
         tx,
