@@ -87,6 +87,7 @@ SLOW_MODULES = {
     "test_step_parts.py",
     "test_bench.py",
     "test_peers.py",  # PyTorch DDP beside jaxcomm, in processes
+    "test_torch_lm.py",  # the LM's GPT in PyTorch (torch is installed for the slow run)
     "test_netlab.py",  # shaped links in network namespaces
 }
 SLOW_TESTS = {

@@ -8,6 +8,8 @@ real processes, run under ``experiments.launch``; ``python -m experiments.bench.
 without ``block_until_ready``; ``python -m experiments.bench.dispatch``), ``peers``
 (jaxcomm against plain optax and PyTorch DDP comm hooks; ``python -m experiments.bench.peers``),
 ``torch_peers`` (its PyTorch twins and DDP worker; ``python -m experiments.bench.torch_peers``),
+``peers_report`` (the peers bench's tables; pure Python), ``torch_lm`` (the LM study's GPT,
+its AdamW, schedule and batches in PyTorch, checked against the Flax model; a library),
 ``two_phase`` (two-phase against all-gather exchange; ``python -m experiments.bench.two_phase``),
 ``threshold_fill`` (the share of the true top-k ``threshold`` sends;
 ``python -m experiments.bench.threshold_fill``), ``sync_sweep`` (accuracy against the number
