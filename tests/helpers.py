@@ -152,3 +152,24 @@ def bf16_telescoping_error(tx, memory, *, d: int = 4096, steps: int = 300) -> fl
         sent += np.asarray(out["w"], np.float64)
     left = np.asarray(memory(state), np.float64)
     return float(np.abs(total - sent - left)[small].sum() / total[small].sum())
+
+
+def import_torch():
+    """``torch``, or skip the calling module: except where ``JAXCOMM_REQUIRE_TORCH`` is set
+    (CI installs torch's CPU build and sets it), where a failed import fails the module.
+
+    ``pip install -e ".[peers]" --extra-index-url https://download.pytorch.org/whl/cpu``.
+    """
+    import os
+
+    import pytest
+
+    if os.environ.get("JAXCOMM_REQUIRE_TORCH"):
+        import torch
+
+        return torch
+    return pytest.importorskip(
+        "torch",
+        reason='needs torch: pip install -e ".[peers]" '
+        "--extra-index-url https://download.pytorch.org/whl/cpu",
+    )

@@ -1,12 +1,10 @@
 """The LM study's GPT in PyTorch (experiments.bench.torch_lm) computes what the Flax one does.
 
-Skipped without torch, except where ``JAXCOMM_REQUIRE_TORCH`` is set (CI installs
-torch's CPU build and sets it): ``pip install -e ".[peers]"
---extra-index-url https://download.pytorch.org/whl/cpu``.
+Skipped without torch, except where ``JAXCOMM_REQUIRE_TORCH`` is set
+(:func:`tests.helpers.import_torch`).
 """
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-if os.environ.get("JAXCOMM_REQUIRE_TORCH"):  # CI installs torch: a failed import fails here
-    import torch
-else:
-    torch = pytest.importorskip(
-        "torch",
-        reason='needs torch: pip install -e ".[peers]" '
-        "--extra-index-url https://download.pytorch.org/whl/cpu",
-    )
+from tests import helpers
+
+torch = helpers.import_torch()
 
 from experiments import data, models, optimizers  # noqa: E402
 from experiments.bench import torch_lm  # noqa: E402
