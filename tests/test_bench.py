@@ -204,7 +204,9 @@ def test_shaped_check_times_each_seed_to_the_target_at_its_step():
     assert rows["dense"]["train_s_at_target"]["max"] == pytest.approx(0.3)
     assert rows["bf16"]["tta_s"]["median"] is None and rows["bf16"]["tta_s"]["reached"] == 2
     # dense's finals 0.95, 0.92, 0.93: bf16's median 0.95 is within the band of their 0.93
-    assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95, "within_band": True}
+    assert rows["bf16"]["final"] == {"median": 0.95, "min": 0.85, "max": 0.95, "within_band": True,
+                                     "dense_median": 0.93,
+                                     "worse_by": pytest.approx(-0.02)}  # fmt: skip
     assert rows["bf16"]["step_ms"]["median"] == pytest.approx(2.0)
 
 
