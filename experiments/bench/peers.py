@@ -769,7 +769,11 @@ def main(argv) -> None:
             sys.exit(1)
     procs = [int(p) for p in F.procs]
     results["commands"] = results.get("commands", {})
-    cmd = "python -m experiments.bench.peers " + shlex.join(sys.argv[1:])
+    # the command as recorded: --out as the repository-relative path it names, so the JSON
+    # holds no path of the machine it ran on (a before-run writes from another checkout)
+    argv = [f"--out=experiments/results/{os.path.basename(F.out)}" if a.startswith("--out=")
+            else a for a in sys.argv[1:]]  # fmt: skip
+    cmd = "python -m experiments.bench.peers " + shlex.join(argv)
     if F.part == "peers":  # runs of some cells merge into the JSON: keep every command
         results["commands"].setdefault("peers_runs", []).append(cmd)
     else:
