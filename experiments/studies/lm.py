@@ -47,6 +47,7 @@ import sys
 
 from absl import app, flags
 
+from experiments.configs import lm_shakespeare
 from experiments.studies import lm_figure, ngram, runs
 
 FLAGS = flags.FLAGS
@@ -83,8 +84,6 @@ KEEP = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wir
 
 def workload() -> dict:
     """What every run of one study shares (a JSON holding another workload is refused)."""
-    from experiments.configs import lm_shakespeare
-
     c = lm_shakespeare.get_config("dense")
     return {
         "model": c.model.name, "model_kwargs": dict(c.model.kwargs),
@@ -96,8 +95,6 @@ def workload() -> dict:
 
 def sync_period(method: str) -> int:
     """Inner steps between a method's exchanges (1 for every-step methods)."""
-    from experiments.configs import lm_shakespeare
-
     wrapper = lm_shakespeare.VARIANTS[method].get("wrapper")
     return int(wrapper[1]) if wrapper else 1
 
