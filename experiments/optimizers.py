@@ -206,7 +206,11 @@ def make_optimizer(
             return jaxcomm.local_sgd(
                 opt, every=every, axis_name=AXIS, warmup_steps=warm, compressor=local_comp
             )
-        return jaxcomm.diloco(opt, every=every, axis_name=AXIS, compressor=local_comp)
+        outer_lr = config.wrapper.get("outer_learning_rate", 0.7)
+        if not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
+            raise ValueError(f"config.wrapper.outer_learning_rate: must be > 0, got {outer_lr!r}")
+        outer = optax.sgd(outer_lr, momentum=0.9, nesterov=True)  # DiLoCo's outer Nesterov
+        return jaxcomm.diloco(opt, every=every, axis_name=AXIS, compressor=local_comp, outer=outer)
     if comm is not None:
         chained = optax.chain(comm, opt)
     if wrapper == "accumulate":

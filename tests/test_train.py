@@ -16,6 +16,7 @@ from experiments import data as data_lib
 from experiments.configs import (
     char_transformer,
     cifar_resnet,
+    common,
     digits_compare,
     digits_mlp,
     lm_shakespeare,
@@ -460,3 +461,35 @@ def test_auto_records_its_choice_and_a_resumed_run_replays_it(tmp_path):
     (tmp_path / "c" / "auto_choice.json").write_text(json.dumps(record))
     third = train.train_and_evaluate(config, str(tmp_path / "c"))
     assert third.metrics[0]["wire_bytes"] == rows["dense"]["wire_bytes"]
+
+
+@pytest.mark.parametrize("outer_lr", [None, 0.1])
+def test_diloco_outer_learning_rate_from_the_wrapper_config(outer_lr):
+    """DiLoCo's outer Nesterov step (momentum 0.9) at the wrapper's outer_learning_rate
+    (0.7 when unset): H = 1 and plain inner SGD, so the first step's delta is lr * g and the
+    update is -outer_lr * (1 + 0.9) * lr * g (closed form)."""
+    c = common.base()
+    c.optimizer.name, c.optimizer.learning_rate = "sgd", 0.5
+    more = {} if outer_lr is None else {"outer_learning_rate": outer_lr}
+    common.apply_variant(c, {"compressor": ("allreduce", {}), "wrapper": ("diloco", 1, more)})
+    tx = optimizers.make_optimizer(c)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    g = jnp.array([1.0, -2.0, 4.0], jnp.float32)
+
+    def step(params):
+        u, _ = tx.update(g, tx.init(params), params)
+        return u
+
+    run = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    u = np.asarray(jax.jit(run)(jnp.zeros(3, jnp.float32)))
+    want = -(outer_lr or 0.7) * 1.9 * 0.5 * np.asarray(g)
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_diloco_outer_learning_rate_must_be_positive():
+    c = common.base()
+    common.apply_variant(
+        c, {"compressor": ("allreduce", {}), "wrapper": ("diloco", 1, {"outer_learning_rate": 0})}
+    )
+    with pytest.raises(ValueError, match="outer_learning_rate: must be > 0"):
+        optimizers.make_optimizer(c)

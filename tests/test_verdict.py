@@ -403,3 +403,39 @@ def test_counterpart_ratio_only_when_both_end_within_the_band(monkeypatch):
     worse = add_method(fake_study(), "ref", [2.05 * 1.03] * 3, seconds_per_eval=2.0)
     assert "vs ref" not in report.lm_markdown(worse)
     assert "vs absent" not in report.lm_markdown(study)  # a counterpart not run: skipped
+
+
+def test_loopback_probes_time_loopback_when_present_and_runs_clocks_otherwise():
+    """The trajectories may share the cores, so loopback is timed by its probes where the JSON
+    has them (first call + remaining steps x the median probe step), else by the runs' clocks."""
+    study = fake_study()
+    before = report.lm_verdicts(study)[2]["methods"]["dense"]["links"]["loopback"]
+    # runs' clocks: dense's curve(...) rows take 0.5 s a step
+    assert before["step_ms"] == pytest.approx(500.0)
+    assert "probes" not in before and "500, runs' clocks" in report.lm_markdown(study)
+    study["probes"].append(probe("dense", None, rate="loopback", repeats=[0.3, 0.2, 0.25]))
+    v = report.lm_verdicts(study)[2]
+    assert v["rates"] == ["loopback", "10mbit"]  # loopback once, not again from the probes
+    cell = v["methods"]["dense"]["links"]["loopback"]
+    assert (cell["step_ms"], cell["step_ms_min"], cell["step_ms_max"]) == pytest.approx(
+        (250.0, 200.0, 300.0)
+    )
+    med = statistics.median(v["methods"]["dense"]["steps_to_target"])
+    assert cell["median"] == pytest.approx(10 * 0.25 + 1.0 + (med - 10) * 0.25)
+    assert "| 250 (200–300), 3 probes, equal |" in row_of(report.lm_markdown(study), "dense", 2)
+    # a method without loopback probes keeps its runs' clocks
+    assert v["methods"]["fast"]["links"]["loopback"]["step_ms"] == pytest.approx(500.0 / 5)
+
+
+def test_validate_best_names_the_headline_method_or_none():
+    from experiments.studies import lm
+
+    study = fake_study()
+    fast = [r for r in study["runs"] if r["method"] == "fast"]
+    for r in fast:  # every seed within 1% of dense's median final (2.05)
+        r["curve"][-1]["eval_loss"] = 2.06
+    # 'fast' is 20x quicker a step at 10 Mbit/s; 'slow' misses the target on seed 2
+    assert lm.best_method(study, 2, "10mbit") == "fast"
+    fast[1]["curve"][-1]["eval_loss"] = 2.05 * 1.011  # one seed out of the band: no headline
+    assert lm.best_method(study, 2, "10mbit") is None
+    assert lm.best_method(study, 4, "10mbit") is None  # no runs at 4 processes

@@ -2,34 +2,44 @@ r"""The LM study: time to a validation-loss target on real, shaped links, severa
 
 Command (root, iproute2):
   python -m experiments.studies.lm --validate=100mbit:dense,100mbit:BEST,10mbit:BEST
+The trajectories alone (may share the cores), then the timed phases (must not):
+  python -m experiments.studies.lm --phases=runs
+  python -m experiments.studies.lm --phases=probes,validate --validate=...
 Tables and plot from the JSON (no runs):
   python -m experiments.studies.lm --report
 The study's running time is measured, not guessed: the report sums every
 launched command's wall time from the JSON (``report.running_time``).
 
-What runs. Every method of ``experiments/configs/lm_shakespeare.py`` (AdamW
-with one warm-up + cosine schedule for all; DiLoCo's inner optimizer is the
-same; the optimizer methods have their dense counterparts) trains for the
-config's schedule (2,000 steps) with ``--processes`` real processes
+What runs, in three phases (``--phases``; each resumes where it stopped).
+
+*runs*: every method of ``experiments/configs/lm_shakespeare.py`` (AdamW with
+one warm-up + cosine schedule for all; DiLoCo's inner optimizer is the same;
+the optimizer methods have their dense counterparts) trains for the config's
+schedule (2,000 steps) with ``--processes`` real processes
 (``experiments.launch``, gloo, one CPU device each) for every seed of
 ``--seeds``, on loopback, evaluating the validation loss every 100 steps (20
 evaluations). Those runs give each (method, seed) its trajectory: validation
-loss against step, and the measured wall clock of the training calls on
-loopback. The JSON also holds byte n-gram counting models fitted on the same
-training split and scored on the same windows
+loss against step. They are not what the study times (their wall clock is
+kept, but other work may share the cores while they run), so this phase can
+run beside other work. The JSON also holds byte n-gram counting models fitted
+on the same training split and scored on the same windows
 (:mod:`experiments.studies.ngram`): the lines a model must pass to have
 learned more than n-gram statistics.
 
-On each shaped rate (``--rates``: every process in its own network namespace,
-each egress shaped by ``tc ... tbf``) every method is probed ``--probes``
-times (separate launches, seed 0's schedule): one call of
-``--probe_steps_per_call`` steps (its warm-up, kept apart) and then at least
-``--probe_steps`` steps and two sync periods; the cell's step time is the
-median probe's, with the range. A shaped cell's time to target is *steps to
-target on the seed's trajectory x that step time*: an estimate, which
-``--validate=RATE:METHOD`` checks with whole runs on the shaped link (seed 0,
-end to end; the report's "Estimates checked end to end"). The trajectory does
-not depend on the link (the same processes run the same arithmetic).
+*probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
+every process in its own network namespace, each egress shaped by
+``tc ... tbf``) every method is probed ``--probes`` times (separate launches,
+seed 0's schedule): one call of ``--probe_steps_per_call`` steps (its warm-up,
+kept apart) and then at least ``--probe_steps`` steps and two sync periods;
+the cell's step time is the median probe's, with the range. A cell's time to
+target is *steps to target on the seed's trajectory x that step time*: an
+estimate (a JSON without loopback probes times loopback by the runs' own
+clocks instead).
+
+*validate* (quiet cores): ``--validate=RATE:METHOD`` checks the estimate with
+whole runs on the shaped link (seed 0, end to end; the report's "Estimates
+checked end to end"). The trajectory does not depend on the link (the same
+processes run the same arithmetic; each probe's loss is checked against it).
 
 A JSON written for another workload (model, context, batch, schedule) is
 refused: ``--out`` names a new file for a new workload.
@@ -48,7 +58,7 @@ import sys
 from absl import app, flags
 
 from experiments.configs import lm_shakespeare
-from experiments.studies import lm_figure, ngram, runs
+from experiments.studies import lm_figure, ngram, report, runs
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
@@ -76,7 +86,15 @@ def define_flags() -> None:
     )
     flags.DEFINE_string("workroot", "runs/lm_study", "workdirs of the runs")
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
+    flags.DEFINE_list(
+        "phases", list(PHASES),
+        "what to run: runs (the loopback trajectories, untimed), probes (every link's step "
+        "time, loopback included: quiet cores), validate (whole shaped runs: quiet cores)",
+    )  # fmt: skip
 
+
+#: The study's phases, in order (``--phases``).
+PHASES = ("runs", "probes", "validate")
 
 #: The metrics kept of each row of a run.
 KEEP = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
@@ -173,6 +191,17 @@ def probe(results: dict, n: int, rate: str, method: str, steps: int) -> dict:
     return out
 
 
+def best_method(results: dict, n: int, rate: str) -> str | None:
+    """``BEST`` in ``--validate``: the headline method on that link (the verdict's rules:
+    fastest to target among those whose every seed ends within 1% of dense's median);
+    None, and said, when the JSON has no complete group or no method qualifies."""
+    best = report.lm_headline(results).get(n, {}).get(rate)
+    if best is None:
+        print(f"n={n} {rate}: no method qualifies for the headline yet: BEST not run", flush=True)
+        return None
+    return best["method"]
+
+
 def validate_run(n: int, rate: str, method: str, steps: int) -> dict:
     """A whole run of seed 0 on a shaped link: the time to target measured end to end."""
     run = run_training(n, rate, method, 0, steps, 0, tag=".whole")
@@ -207,10 +236,13 @@ def main(argv: list[str]) -> None:
     def save():
         runs.save_json(FLAGS.out, results)
 
+    phases = set(FLAGS.phases)
+    if not phases <= set(PHASES):
+        raise ValueError(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {PHASES}")
     have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
     probed = {(p["n"], p["rate"], p["method"]) for p in results["probes"]}
     for n in map(int, FLAGS.processes):
-        for seed in map(int, FLAGS.seeds):
+        for seed in map(int, FLAGS.seeds) if "runs" in phases else ():
             for method in FLAGS.methods:
                 if (n, method, seed) in have:
                     continue
@@ -220,16 +252,20 @@ def main(argv: list[str]) -> None:
                 last = run["curve"][-1]
                 print(f"n={n} {method:14s} seed {seed}: val {last['eval_loss']:.4f} "
                       f"in {last['train_s']:.1f} s", flush=True)  # fmt: skip
-            if seed == 0:  # the shaped links' step times, each cell probed --probes times
-                for rate in FLAGS.rates:
-                    for method in FLAGS.methods:
-                        if (n, rate, method) not in probed:
-                            results["probes"].append(probe(results, n, rate, method, steps))
-                            save()
+        # every link's step time, loopback's too, each cell probed --probes times (a probe
+        # checks its loss against seed 0's trajectory, so that run comes first)
+        have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
+        for rate in ["loopback", *FLAGS.rates] if "probes" in phases else ():
+            for method in FLAGS.methods:
+                if (n, rate, method) not in probed and (n, method, 0) in have:
+                    results["probes"].append(probe(results, n, rate, method, steps))
+                    save()
         done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}
-        for cell in FLAGS.validate:
+        for cell in FLAGS.validate if "validate" in phases else ():
             rate, method = cell.split(":")
-            if (n, rate, method) not in done:
+            if method == "BEST":
+                method = best_method(results, n, rate)
+            if method is not None and (n, rate, method) not in done:
                 results["validation"].append(validate_run(n, rate, method, steps))
                 save()
     save()

@@ -199,7 +199,7 @@ def lm_verdicts(results: dict) -> dict:
         probes = cell_probes(results, n)
         vals = {(v["rate"], v["method"], v["seed"]): v
                 for v in results.get("validation", []) if v["n"] == n}  # fmt: skip
-        rates = ["loopback"] + [r for r in RATE_ORDER if any(k[0] == r for k in probes)]
+        rates = ["loopback"] + [r for r in RATE_ORDER[1:] if any(k[0] == r for k in probes)]
         rows, axes = {}, {}
         for m in methods:
             finals = [r["curve"][-1]["eval_loss"] for r in by[m]]
@@ -214,7 +214,9 @@ def lm_verdicts(results: dict) -> dict:
                 "links": {},
             }  # fmt: skip
             for rate in rates:
-                probe = None if rate == "loopback" else probes.get((rate, m))
+                # loopback's probes when the JSON has them (the runs may have shared the cores),
+                # else the runs' own clocks
+                probe = probes.get((rate, m))
                 if rate != "loopback" and probe is None:
                     continue
                 got = [vals.get((rate, m, r["seed"])) for r in by[m]]
@@ -425,8 +427,8 @@ def _loss_table(v: dict, methods: list[str]) -> list[str]:
 
 
 def _probe_cell(c: dict) -> str:
-    if "probes" not in c:  # loopback: whole runs
-        return f"{c['step_ms']:.0f}"
+    if "probes" not in c:  # loopback without probes: whole runs' clocks
+        return f"{c['step_ms']:.0f}, runs' clocks"
     eq = {True: ", equal", False: ", DIFFERS", None: ", not checked"}[c["trajectory_equal"]]
     k = c["probes"]
     span = f" ({c['step_ms_min']:.0f}–{c['step_ms_max']:.0f})" if k > 1 else ""
@@ -437,10 +439,10 @@ def _probe_cell(c: dict) -> str:
 def _step_table(v: dict, methods: list[str]) -> list[str]:
     lines = [
         "",
-        "Measured step time (ms; loopback: median over seeds of whole runs; shaped: median "
-        "(min–max) over the probes of the steps after each probe's first call, with their "
-        f'number, "only" where fewer than {verdict.MIN_PROBES}) and whether every probe\'s '
-        "validation loss equalled the loopback run's at the same step:",
+        "Measured step time (ms; every link, loopback too where probed, else its runs' "
+        "clocks: median (min–max) over the probes of the steps after each probe's first "
+        f'call, with their number, "only" where fewer than {verdict.MIN_PROBES}) and whether '
+        "every probe's validation loss equalled the loopback run's at the same step:",
         "",
         "| method | " + " | ".join(RATE_NAMES[r] for r in v["rates"]) + " |",
         "|---|" + "---|" * len(v["rates"]),
