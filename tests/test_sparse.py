@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxcomm
-from jaxcomm.compressors.sparse import _period
+from jaxcomm.compressors.selection import period
 from jaxcomm.core import num_kept
 from tests import helpers as H
 
@@ -72,7 +72,7 @@ def np_threshold_step(p, ratio, sample_ratio):
     """
     d = p.size
     k = num_kept(ratio, d)
-    m = _period(k, d)  # the period is a search (tested below); the selection is not
+    m = period(k, d)  # the period is a search (tested below); the selection is not
     assert m == d or (m >= 2 * k and np_is_prime(m) and d % m)
     a = np.abs(p)
     if m == d:
@@ -265,7 +265,7 @@ def test_k_is_at_least_one_and_at_most_d():
      (9 * 11 + 3, 11), (17 * 13, 13), (65 * 7 + 2, 7), (64 * 5, 5)],
 )  # fmt: skip
 def test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class(d, m):
-    from jaxcomm.compressors.sparse import _strided_best
+    from jaxcomm.compressors.selection import strided_best
 
     def np_ref(a):
         """Per class j: its first maximum, and the next entry by (magnitude desc, position)."""
@@ -287,9 +287,9 @@ def test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class(d,
         a[4 + 2 * m] = 5.0 * a.max()  # a class's runner-up in the middle of its rows
         a[4 + 3 * m] = 6.0 * a.max()
     best, runner, has = np_ref(a)
-    np.testing.assert_array_equal(_strided_best(jnp.asarray(a), m), best)
+    np.testing.assert_array_equal(strided_best(jnp.asarray(a), m), best)
     got_best, got_runner, got_has = (
-        np.asarray(x) for x in _strided_best(jnp.asarray(a), m, second=True)
+        np.asarray(x) for x in strided_best(jnp.asarray(a), m, second=True)
     )
     np.testing.assert_array_equal(got_best, best)
     np.testing.assert_array_equal(got_has, has)
@@ -302,7 +302,7 @@ def test_strided_best_finds_first_maximum_and_runner_up_of_each_residue_class(d,
     # subnormals keep their order and rows (a float max flushed them to zero)
     a[3::m] = np.float32(1e-42)
     a[3 + m * ((d - 4) // m)] = np.float32(3e-42)  # the class's last row
-    got, runner, _ = (np.asarray(x) for x in _strided_best(jnp.asarray(a), m, second=True))
+    got, runner, _ = (np.asarray(x) for x in strided_best(jnp.asarray(a), m, second=True))
     assert got[2] == 2 and runner[2] == 2 + m
     assert got[0] == m and got[1] == 1
     assert got[3] == 3 + m * ((d - 4) // m) and runner[3] == 3
@@ -429,12 +429,12 @@ def test_threshold_period_is_chosen_for_every_factorisation_of_d(d, ratio):
     count, every band of adjacent columns of every (d/c, c) view keeps >= 95% of
     min(k, band) among the candidates, no worse than the smallest such prime."""
     k = math.ceil(ratio * d)
-    m = _period(k, d)
+    m = period(k, d)
     assert m >= 2 * k and np_is_prime(m) and d % m
     smallest = next(c for c in range(2 * k, d) if np_is_prime(c) and d % c)
     worst, worst_smallest = np_worst_band(d, k, m), np_worst_band(d, k, smallest)
     assert worst >= 0.95 and worst >= worst_smallest, (worst, worst_smallest)
-    assert _period(k, 2 * k) == 2 * k  # 2k >= d: every entry is a candidate (exact top-k)
+    assert period(k, 2 * k) == 2 * k  # 2k >= d: every entry is a candidate (exact top-k)
 
 
 def test_threshold_usage_adds_the_residual_and_skips_dense_leaves():
@@ -456,7 +456,7 @@ def test_threshold_usage_adds_the_residual_and_skips_dense_leaves():
 
 @pytest.mark.parametrize("n, k", [(1, 1), (10, 3), (40000, 40), (999, 999)])
 def test_kth_largest_is_exact(n, k):
-    from jaxcomm.compressors.sparse import kth_largest
+    from jaxcomm.compressors.selection import kth_largest
 
     rng = np.random.default_rng(n)
     a = np.abs(rng.standard_t(2, size=n)).astype(np.float32)
@@ -501,7 +501,7 @@ def test_top_slots_are_the_k_largest_reaching_the_sample_threshold(case):
     """Threshold's selection against NumPy: the k largest keys (ties to the first positions,
     as lax.top_k) among those at or above the sample's kept-th largest; empty slots marked
     and pointing at position 0."""
-    from jaxcomm.compressors.sparse import _top_slots
+    from jaxcomm.compressors.selection import top_slots
 
     rng = np.random.default_rng(["ties", "threshold_binds", "too_few", "nan"].index(case))
     n, k, kept = 500, 60, 20
@@ -518,7 +518,7 @@ def test_top_slots_are_the_k_largest_reaching_the_sample_threshold(case):
     order = sorted(range(n), key=lambda i: (-int(keys[i]), i))
     want = sorted([i for i in order if keys[i] >= ts][:k])
     pos, filled = (
-        np.asarray(x) for x in _top_slots(jnp.asarray(keys), k, jnp.asarray(sample), kept)
+        np.asarray(x) for x in top_slots(jnp.asarray(keys), k, jnp.asarray(sample), kept)
     )
     # the entries above the boundary T first, then the ties at it, each in position order
     t = max(ts, np.sort(keys)[::-1][k - 1])
@@ -530,5 +530,5 @@ def test_top_slots_are_the_k_largest_reaching_the_sample_threshold(case):
     if case == "nan":
         assert {7, 300} <= set(want)
     # without a sample: the plain k largest
-    pos, filled = (np.asarray(x) for x in _top_slots(jnp.asarray(keys), k))
+    pos, filled = (np.asarray(x) for x in top_slots(jnp.asarray(keys), k))
     assert filled.all() and sorted(pos) == sorted(order[:k])

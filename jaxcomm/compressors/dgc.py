@@ -32,7 +32,7 @@ import optax
 from jax import lax
 
 from jaxcomm import buckets, checks, core, exchange
-from jaxcomm.compressors.sparse import kth_largest
+from jaxcomm.compressors.selection import kth_largest
 from jaxcomm.exchange import AxisName
 
 __all__ = [
