@@ -144,7 +144,7 @@ def test_accelerator_bench_reads_the_agreement_test_output():
 
 
 def test_auto_bench_predicts_from_the_median_of_advises_runs():
-    from experiments.bench import auto
+    from experiments.bench import auto_report
 
     def run(compute, cost, model):
         return {"compute_s": compute, "choice": "dense",
@@ -152,15 +152,15 @@ def test_auto_bench_predicts_from_the_median_of_advises_runs():
 
     adv = run(1.0, 0.5, 0.1)
     adv["repeats"] = [run(3.0, 0.2, 0.4), run(2.0, 0.9, 0.3)]
-    assert auto.advice_parts(adv, "dense") == (2.0, 0.5, 0.3, 3)
+    assert auto_report.advice_parts(adv, "dense") == (2.0, 0.5, 0.3, 3)
     cell = {"model": "m", "rate": "r", "method": "dense", "step_s": 4.0, "step_runs_s": [2, 5, 3]}
     results = {"advice": {"m/r": adv}, "cells": [cell]}
-    (row,) = auto.rows_prediction(results)
+    (row,) = auto_report.rows_prediction(results)
     # compute 2.0 + max(cost 0.5, alpha-beta 0.3), against the median step 3
     assert row["predicted_ms"] == 2500.0 and row["measured_ms"] == 3000.0
     assert row["advise_runs"] == 3 and row["ratio"] == 2.5 / 3
     del adv["repeats"]  # one run: its own parts
-    assert auto.advice_parts(adv, "dense") == (1.0, 0.5, 0.1, 1)
+    assert auto_report.advice_parts(adv, "dense") == (1.0, 0.5, 0.1, 1)
 
 
 def test_accelerator_bench_names_the_gpu_backend_for_jax_platforms():
@@ -172,14 +172,14 @@ def test_accelerator_bench_names_the_gpu_backend_for_jax_platforms():
 
 
 def test_auto_bench_times_the_target_at_the_steady_step():
-    from experiments.bench import auto
+    from experiments.bench import auto_report
 
     # steps to target x the median of the cell's runs, not the training time it logged
     cell = {"tta_steps": 35, "tta_s": 1.37, "step_s": 0.040, "step_runs_s": [0.030, 0.036, 0.050]}
-    assert auto._steady_tta(cell) == 35 * 0.036
-    assert auto._steady_tta({"tta_steps": None, "tta_s": None, "step_s": 0.04}) is None
+    assert auto_report._steady_tta(cell) == 35 * 0.036
+    assert auto_report._steady_tta({"tta_steps": None, "tta_s": None, "step_s": 0.04}) is None
     del cell["step_runs_s"]
-    assert auto._steady_tta(cell) == 35 * 0.040
+    assert auto_report._steady_tta(cell) == 35 * 0.040
 
 
 def test_shaped_check_times_each_seed_to_the_target_at_its_step():

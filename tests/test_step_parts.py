@@ -5,7 +5,7 @@ import pytest
 
 from experiments import data as data_lib
 from experiments import train
-from experiments.bench import step_parts
+from experiments.bench import step_parts, step_parts_report
 from experiments.configs import digits_mlp
 
 
@@ -31,7 +31,7 @@ def test_a_session_times_each_method_beside_no_exchange(measured):
 
 def test_the_report_splits_each_step_into_its_parts(measured):
     res = {"links": {"loopback": measured}}
-    lines = step_parts.report(res).splitlines()
+    lines = step_parts_report.report(res).splitlines()
     m = measured["methods"]
     row = next(x for x in lines if x.startswith("| topk |"))
     cells = [c.strip() for c in row.strip("|").split("|")]

@@ -44,14 +44,21 @@ import sys
 import tempfile
 import time
 
+import jax
 from absl import app, flags
+
+from experiments import advise, optimizers, train
+from experiments import data as data_lib
+from experiments.bench import timing
+from experiments.bench.step_parts_report import report
+from experiments.configs import digits_mlp
+from experiments.studies import runs, tables
+from jaxcomm import accounting, calibrate, distributed, policy
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/digits_mlp.py"
 #: The methods timed beside the step with no exchange (digits_mlp.py's variants).
 METHODS = ("dense", "powersgd", "ef_sign", "topk", "threshold")
-#: The issue's bound: a compressed step within this many ms of the step with no exchange.
-TARGET_MS = 1.5
 
 
 def define_flags() -> None:
@@ -67,12 +74,6 @@ def define_flags() -> None:
 
 def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
     """One link's measurements; every process of the launch runs it."""
-    from experiments import advise, optimizers, train
-    from experiments import data as data_lib
-    from experiments.bench import timing
-    from experiments.configs import digits_mlp
-    from jaxcomm import accounting, calibrate, distributed, policy
-
     distributed.initialize()
     configs = {m: digits_mlp.get_config(m) for m in methods}
     base = digits_mlp.get_config("dense")
@@ -136,47 +137,14 @@ def run_link(rate: str) -> dict:
             return json.load(f)
 
 
-def report(results: dict) -> str:
-    """Per link, each method's median step and its parts (ms per step)."""
-    lines = []
-    for rate, res in results["links"].items():
-        none = res["methods"]["none"]["step_s"]
-        lines += [
-            f"**{rate}**, 2 processes: median of {res['rounds']} calls of "
-            f"{res['steps_per_call']} steps; no exchange {none * 1e3:.2f} ms/step.",
-            "",
-            "| method | bytes/step | step ms (mean) | - none | codec | collectives | rest "
-            f"| within {TARGET_MS} ms of none |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for m, r in res["methods"].items():
-            if m == "none":
-                continue
-            over = r["step_s"] - none
-            coll = r["exchange_s"] - r["codec_s"]
-            rest = r["step_s"] - none - r["exchange_s"]
-            ok = "yes" if over * 1e3 <= TARGET_MS else "**no**"
-            lines.append(
-                f"| {m} | {r['wire_bytes']:,} | {r['step_s'] * 1e3:.2f} "
-                f"({r['mean_step_s'] * 1e3:.2f}) | {over * 1e3:.2f} | {r['codec_s'] * 1e3:.2f} "
-                f"| {coll * 1e3:.2f} | {rest * 1e3:.2f} | {ok} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.session_out:
-        import jax
-
         res = session(FLAGS.methods, FLAGS.steps_per_call, FLAGS.rounds, FLAGS.repeats)
         if jax.process_index() == 0:
             with open(FLAGS.session_out, "w") as f:
                 json.dump(res, f, indent=1)
         return
-    from experiments.studies import runs, tables
-
     if not FLAGS.report:
         results = {"note": "\n\n".join(__doc__.split("\n\n")[2:]), "links": {}}
         for rate in FLAGS.rates:

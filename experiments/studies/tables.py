@@ -25,6 +25,16 @@ import re
 import sys
 from collections.abc import Callable
 
+from experiments.bench import (
+    accelerator,
+    auto_report,
+    buckets,
+    floor,
+    overlap,
+    step_parts_report,
+)
+from experiments.studies import netstudy, report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 README = os.path.join(ROOT, "README.md")
@@ -37,51 +47,35 @@ def _load(name: str) -> dict:
 
 
 def _lm_study() -> str:
-    from experiments.studies import report
-
     return report.lm_markdown(_load("lm_study.json"), step_times=False)
 
 
 def _netstudy() -> str:
-    from experiments.studies import netstudy
-
     return netstudy.report(_load("netstudy.json"), None)
 
 
 def _overlap() -> str:
-    from experiments.bench import overlap
-
     return overlap.report(_load("overlap.json"))
 
 
 def _buckets() -> str:
-    from experiments.bench import buckets
-
     return buckets.report(_load("buckets.json"))
 
 
 def _floor() -> str:
-    from experiments.bench import floor
-
     return floor.report(_load("floor.json"))
 
 
 def _accelerator() -> str:
-    from experiments.bench import accelerator
-
     return accelerator.report(_load("accelerator.json"))
 
 
 def _auto() -> str:
-    from experiments.bench import auto
-
-    return auto.report(_load("auto.json"))
+    return auto_report.report(_load("auto.json"))
 
 
 def _step_parts() -> str:
-    from experiments.bench import step_parts
-
-    return step_parts.report(_load("step_parts.json"))
+    return step_parts_report.report(_load("step_parts.json"))
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
@@ -122,8 +116,6 @@ def render(name: str) -> str:
 
 
 def _lm_study_full() -> str:
-    from experiments.studies import report
-
     return report.lm_markdown(_load("lm_study.json"))
 
 
