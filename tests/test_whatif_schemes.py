@@ -11,18 +11,18 @@ import dataclasses
 import optax
 import pytest
 
-from experiments.bench import whatif
+from experiments.bench import whatif_inputs
 
 
-@pytest.mark.parametrize("scheme", whatif.SCHEMES, ids=lambda s: s.label)
+@pytest.mark.parametrize("scheme", whatif_inputs.SCHEMES, ids=lambda s: s.label)
 def test_every_scheme_builds_its_transform(scheme):
-    assert isinstance(whatif.build_transform(scheme), optax.GradientTransformation)
+    assert isinstance(whatif_inputs.build_transform(scheme), optax.GradientTransformation)
 
 
 def test_a_drifted_name_or_keyword_is_an_error_naming_the_scheme():
-    first = whatif.SCHEMES[0]
+    first = whatif_inputs.SCHEMES[0]
     with pytest.raises(ValueError, match="no jaxcomm.majority_vote"):
-        whatif.build_transform(dataclasses.replace(first, factory="majority_vote"))
-    qsgd = next(s for s in whatif.SCHEMES if s.factory == "qsgd")
+        whatif_inputs.build_transform(dataclasses.replace(first, factory="majority_vote"))
+    qsgd = next(s for s in whatif_inputs.SCHEMES if s.factory == "qsgd")
     with pytest.raises(ValueError, match="QSGD"):
-        whatif.build_transform(dataclasses.replace(qsgd, factory_kwargs={"s": 4}))
+        whatif_inputs.build_transform(dataclasses.replace(qsgd, factory_kwargs={"s": 4}))
