@@ -23,10 +23,11 @@ from jaxcomm.compressors.quantize import int8, qsgd, terngrad
 from jaxcomm.compressors.sign import ef_sign, onebit, sign_majority, twobit
 from jaxcomm.compressors.sparse import randomk, threshold, topk
 from jaxcomm.core import Compressor, CompressState, compress
+from jaxcomm.elastic import ElasticDiLoCo
 from jaxcomm.exchange import hierarchical, ring_allreduce
 from jaxcomm.loco import muloco, sparseloco, streaming_diloco
 from jaxcomm.optim import ZeroOneAdamState, demo, onebit_adam, zero_one_adam
-from jaxcomm.parallel import data_parallel, init_state
+from jaxcomm.parallel import data_parallel, fsdp, init_state
 from jaxcomm.policy import auto
 from jaxcomm.sync import (
     accumulate,
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressState",
     "Compressor",
+    "ElasticDiLoCo",
     "ZeroOneAdamState",
     "accounting",
     "accumulate",
@@ -50,6 +52,7 @@ __all__ = [
     "calibrate",
     "cast",
     "data_parallel",
+    "fsdp",
     "compress",
     "core",
     "delayed_averaging",
