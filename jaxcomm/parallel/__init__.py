@@ -65,12 +65,16 @@ GPU/TPU keep JAX's asynchronous dispatch.
 """
 
 from jaxcomm.parallel.arguments import leaf_name, param_names
+from jaxcomm.parallel.fsdp import Fsdp, FsdpState, fsdp
 from jaxcomm.parallel.layout import axis_size, init_state, is_worker_state, per_worker, state_mask
 from jaxcomm.parallel.step import data_parallel
 
 __all__ = [
+    "Fsdp",
+    "FsdpState",
     "axis_size",
     "data_parallel",
+    "fsdp",
     "init_state",
     "is_worker_state",
     "leaf_name",
