@@ -260,8 +260,9 @@ class ElasticDiLoCo:
         self._anchor = self._params
         owner = fragment_of(self._params, fragments)
         self._members = [[j for j, f in enumerate(owner) if f == g] for g in range(fragments)]
-        leaves = jax.tree.leaves(self._anchor)
-        self._outer_state = tuple(outer.init([leaves[j] for j in m]) for m in self._members)
+        # the outer state in float32 (momentum of low-precision params, as the deltas)
+        f32 = [x.astype(jnp.float32) for x in jax.tree.leaves(self._anchor)]
+        self._outer_state = tuple(outer.init([f32[j] for j in m]) for m in self._members)
         self.inner_steps = 0  # inner steps taken on this trajectory (a data position)
         self.healed = False  # whether the last sync loaded a peer's state
         self.participants = 0  # replicas in the last sync's quorum
@@ -284,6 +285,7 @@ class ElasticDiLoCo:
 
     @property
     def outer_state(self) -> tuple:
+        """Each fragment's outer optimizer state (float32, whatever the params' dtype)."""
         return self._outer_state
 
     @property
