@@ -1,0 +1,269 @@
+r"""Fault-tolerant DiLoCo on local processes: kill a replica, restart it, check they agree.
+
+Command (3 replicas, replica 2 SIGKILLed after its inner steps of round 2,
+restarted 1 s later; a few seconds to a minute on two CPU cores, mostly
+JAX's start-up):
+  python -m experiments.elastic_demo --replicas=3 --rounds=6 --kill=2@2 \
+      --restart_after=1 --out=/tmp/elastic
+
+Expected: every replica prints the same params SHA-256 and the same number of
+committed rounds; replica 2's second incarnation reports ``healed`` at its
+join. ``--kill_in=allreduce`` kills the replica inside the outer all-reduce
+instead (fault injection: it SIGKILLs itself after joining the round's
+quorum, before sending its pseudo-gradient): the survivors' round is rolled
+back to the anchor and the next one commits without it.
+
+The launcher holds torchft's lighthouse (in process; ``torchft_lighthouse``
+is the same server as a command) and starts each replica as its own JAX
+program (``--role=replica``): a tanh MLP regressing a fixed random teacher,
+``--inner_steps`` AdamW steps per round in one jitted ``lax.scan`` (each
+replica draws its own batches), then :meth:`jaxcomm.ElasticDiLoCo.sync`.
+A replica stops once ``--rounds`` rounds are committed and its last round
+had every expected replica in it (the survivors go on until a restarted
+replica is back). Each incarnation appends one JSON line per sync to
+``OUT/replica_<i>.jsonl`` (committed, healed, participants, SHA-256 of the
+anchor before and the params after) and a final line; the launcher prints a
+table and writes ``OUT/summary.json``. Needs ``pip install "jaxcomm[ft]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+# one XLA and torch thread per replica: several replicas share few cores
+CHILD_ENV = {
+    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    "JAX_PLATFORMS": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "RUST_LOG": "error",  # torchft's servers log every quorum at info
+}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6, help="outer rounds to commit")
+    p.add_argument("--inner_steps", type=int, default=10, help="inner steps per round (H)")
+    p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
+    p.add_argument("--kill", default="", help="REPLICA@ROUND: SIGKILL it at that round")
+    p.add_argument("--kill_in", choices=["inner", "allreduce"], default="inner")
+    p.add_argument("--restart_after", type=float, default=-1.0, help="seconds; < 0: never")
+    p.add_argument("--min_replicas", type=int, default=0, help="0: replicas - 1 with --kill")
+    p.add_argument("--round_s", type=float, default=0.25, help="least wall time of a round")
+    p.add_argument("--timeout_s", type=float, default=10.0, help="all-reduce/commit timeout")
+    p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
+    p.add_argument("--join_timeout_ms", type=int, default=2000)
+    p.add_argument("--deadline_s", type=float, default=300.0, help="the launcher gives up")
+    p.add_argument("--out", default="runs/elastic_demo")
+    # a replica's own flags (set by the launcher)
+    p.add_argument("--role", choices=["launcher", "replica"], default="launcher")
+    p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--incarnation", type=int, default=0)
+    p.add_argument("--lighthouse", default="")
+    p.add_argument("--die_at", type=int, default=-1)
+    p.add_argument("--finish_with", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def sha256(tree) -> str:
+    import jax
+    import numpy as np
+
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(tree):
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica: its own JAX program, meeting the others at each outer sync."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+
+    import jaxcomm
+    from jaxcomm import elastic
+
+    torch.set_num_threads(1)
+    d_in, d_hidden, batch, h = 8, 32, 32, args.inner_steps
+    k_teacher, k_init = jax.random.split(jax.random.key(0))
+    teacher = jax.random.normal(k_teacher, (d_in,))
+    k1, k2 = jax.random.split(k_init)
+    params = {
+        "w1": jax.random.normal(k1, (d_in, d_hidden)) / jnp.sqrt(d_in),
+        "b1": jnp.zeros(d_hidden),
+        "w2": jax.random.normal(k2, (d_hidden, 1)) / jnp.sqrt(d_hidden),
+        "b2": jnp.zeros(1),
+    }
+    inner = optax.adamw(1e-2)
+    data_key = jax.random.fold_in(jax.random.key(1), args.replica)  # each replica its own
+
+    def loss_fn(p, x, y):
+        out = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return jnp.mean((out[:, 0] - y) ** 2)
+
+    @jax.jit
+    def inner_steps(p, s, start):
+        def body(carry, t):
+            p, s = carry
+            x = jax.random.normal(jax.random.fold_in(data_key, start + t), (batch, d_in))
+            loss, g = jax.value_and_grad(loss_fn)(p, x, jnp.sin(x @ teacher))
+            u, s = inner.update(g, s, p)
+            return (optax.apply_updates(p, u), s), loss
+
+        (p, s), losses = jax.lax.scan(body, (p, s), jnp.arange(h))
+        return p, s, losses[-1]
+
+    state = inner.init(params)
+    inner_steps(params, state, 0)  # compiled before joining: a joiner is not a straggler
+    manager = elastic.gloo_manager(
+        f"replica_{args.replica}",
+        args.lighthouse,
+        min_replicas=args.min_replicas,
+        timeout_s=args.timeout_s,
+    )
+    if args.die_at >= 0 and args.kill_in == "allreduce":
+        allreduce = manager.allreduce
+
+        def dying_allreduce(tensor, **kw):  # fault injection: joined the quorum, sends nothing
+            if args.die_at <= manager.current_step():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return allreduce(tensor, **kw)
+
+        manager.allreduce = dying_allreduce
+    loop = jaxcomm.ElasticDiLoCo(manager, params, state, fragments=args.fragments)
+    log = open(pathlib.Path(args.out) / f"replica_{args.replica}.jsonl", "a")  # noqa: SIM115
+
+    def record(committed, anchor_before, loss):
+        line = {
+            "incarnation": args.incarnation,
+            "round": loop.rounds,
+            "committed": committed,
+            "healed": loop.healed,
+            "participants": loop.participants,
+            "inner_steps": loop.inner_steps,
+            "anchor_before": sha256(anchor_before),
+            "params_after": sha256(loop.params),
+            "loss": loss,
+        }
+        log.write(json.dumps(line) + "\n")
+        log.flush()
+
+    anchor = loop.anchor
+    params, state = loop.join()  # a restarted replica heals here
+    record(True, anchor, None)
+    while loop.rounds < args.rounds or loop.participants < args.finish_with:
+        t0 = time.monotonic()
+        params, state, loss = inner_steps(params, state, loop.inner_steps)
+        loss = float(loss)
+        time.sleep(max(0.0, args.round_s - (time.monotonic() - t0)))  # a round's compute
+        if args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds:
+            os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
+        anchor = loop.anchor
+        params, state, committed = loop.sync(params, state, steps=h)
+        record(committed, anchor, loss)
+    final = {"final": True, "incarnation": args.incarnation, "rounds": loop.rounds,
+             "inner_steps": loop.inner_steps, "params": sha256(loop.params),
+             "anchor": sha256(loop.anchor)}  # fmt: skip
+    log.write(json.dumps(final) + "\n")
+    log.close()
+    manager.shutdown(wait=False)
+    os._exit(0)  # torchft's server threads would hold the interpreter
+
+
+def launch(args: argparse.Namespace) -> dict:
+    """Start the lighthouse and the replicas, kill and restart as asked; the summary."""
+    os.environ.setdefault("RUST_LOG", "error")  # before torchft starts its servers' logger
+    from torchft.coordination import LighthouseServer
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("replica_*.jsonl"):
+        f.unlink()
+    victim, die_at = (-1, -1)
+    if args.kill:
+        victim, die_at = (int(v) for v in args.kill.split("@"))
+        if not 0 <= victim < args.replicas:
+            raise ValueError(f"--kill: replica {victim} of {args.replicas}")
+    restart = victim >= 0 and args.restart_after >= 0
+    min_replicas = args.min_replicas or (args.replicas - (victim >= 0))
+    finish_with = args.replicas - (victim >= 0 and not restart)
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    env = {**os.environ, **CHILD_ENV}
+
+    def start(i: int, incarnation: int, die: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "experiments.elastic_demo", "--role=replica",
+               f"--replica={i}", f"--incarnation={incarnation}", f"--die_at={die}",
+               f"--lighthouse={lighthouse.address()}", f"--out={out}",
+               f"--finish_with={finish_with}", f"--min_replicas={min_replicas}",
+               f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
+               f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",
+               f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}"]  # fmt: skip
+        return subprocess.Popen(cmd, env=env)
+
+    procs = {i: start(i, 0, die_at if i == victim else -1) for i in range(args.replicas)}
+    codes: dict[int, list[int]] = {i: [] for i in procs}
+    deadline = time.monotonic() + args.deadline_s
+    try:
+        while procs:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas {sorted(procs)} still running after --deadline_s")
+            for i, p in list(procs.items()):
+                if p.poll() is None:
+                    continue
+                codes[i].append(p.returncode)
+                del procs[i]
+                if i == victim and restart and len(codes[i]) == 1:
+                    time.sleep(args.restart_after)
+                    procs[i] = start(i, 1, -1)
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():  # only the replicas this launcher started
+            p.kill()
+            p.wait()
+        lighthouse.shutdown()
+    summary = {"codes": codes, "lost": victim if victim >= 0 and not restart else None,
+               "replicas": {}}  # fmt: skip
+    for i in range(args.replicas):
+        lines = [json.loads(s) for s in (out / f"replica_{i}.jsonl").read_text().splitlines()]
+        final = [x for x in lines if x.get("final")]
+        summary["replicas"][i] = {"syncs": [x for x in lines if not x.get("final")],
+                                  "final": final[-1] if final else None}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.role == "replica":
+        replica(args)
+        return 0
+    summary = launch(args)
+    print(f"{'replica':>7} {'exits':>10} {'rounds':>6}  params SHA-256")
+    ok = True
+    for i, r in summary["replicas"].items():
+        f = r["final"]
+        ok &= f is not None or i == summary["lost"]
+        print(f"{i:>7} {str(summary['codes'][i]):>10} {f and f['rounds']!s:>6}  "
+              f"{f and f['params']}")  # fmt: skip
+    shas = {r["final"]["params"] for r in summary["replicas"].values() if r["final"]}
+    print("all finished replicas bit-equal" if len(shas) == 1 else "replicas DIFFER")
+    return 0 if ok and len(shas) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
