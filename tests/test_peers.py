@@ -15,6 +15,7 @@ from tests import helpers
 torch = helpers.import_torch()
 
 from experiments import launch, models  # noqa: E402
+from experiments.bench import peers_agree, peers_setup  # noqa: E402
 from experiments.bench import torch_peers as tp  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def test_resnet_twins_same_loss():
 
 @pytest.fixture(scope="module")
 def gloo_group():
-    tp.init_gloo_single(launch.free_port())
+    peers_agree.init_gloo_single(launch.free_port())
     yield
     import torch.distributed as dist
 
@@ -67,7 +68,7 @@ def _grads(steps=5):
 
 
 def test_powersgd_equals_torch_hook(gloo_group):
-    r = tp.powersgd_side_by_side(_grads(), rank=2, start_iter=2, min_rate=2.0)
+    r = peers_agree.powersgd_side_by_side(_grads(), rank=2, start_iter=2, min_rate=2.0)
     assert r["compressed"] == 4  # (4, 4) is left dense by the compression-rate rule
     tol = 2e-6 * r["output_scale"]
     assert max(r["output_max_abs_diff"]) < tol, r
@@ -92,7 +93,9 @@ def test_powersgd_another_q_disagrees(gloo_group):
     layout = tp.hook_q_layout(_SHAPES, 2, 2.0)
     rng = np.random.default_rng(7)
     other = [rng.normal(size=(m, r)).astype(np.float32) for _, (_, m, r) in sorted(layout.items())]
-    r = tp.powersgd_side_by_side(grads, rank=2, start_iter=2, min_rate=2.0, q_override=other)
+    r = peers_agree.powersgd_side_by_side(
+        grads, rank=2, start_iter=2, min_rate=2.0, q_override=other
+    )
     assert max(r["output_max_abs_diff"]) > 1e-2 * r["output_scale"]
 
 
@@ -104,8 +107,8 @@ _GROUP = dict(world=2, steps=5, rank=2, start_iter=2, min_rate=2.0, seed=0)
 @pytest.fixture(scope="module")
 def torch_group():
     """torch's powerSGD_hook on 2 gloo processes (loopback), each with its own gradients."""
-    q0 = tp.initial_q(_SHAPES, rank=_GROUP["rank"], min_rate=_GROUP["min_rate"])
-    return tp.torch_powersgd_group(_SHAPES, q0, **_GROUP), q0
+    q0 = peers_agree.initial_q(_SHAPES, rank=_GROUP["rank"], min_rate=_GROUP["min_rate"])
+    return peers_agree.torch_powersgd_group(_SHAPES, q0, **_GROUP), q0
 
 
 def _tol(c):
@@ -114,9 +117,9 @@ def _tol(c):
 
 def test_powersgd_world2_equals_torch_hook(torch_group):
     t, _ = torch_group
-    grads = [tp.worker_grads(_SHAPES, 0, w) for w in range(2)]
+    grads = [peers_setup.worker_grads(_SHAPES, 0, w) for w in range(2)]
     assert min(np.abs(a - b).max() for a, b in zip(*grads)) > 0.1  # the workers differ
-    c = tp.compare_powersgd_group(t, tp.jaxcomm_powersgd_group(_SHAPES, **_GROUP))
+    c = peers_agree.compare_powersgd_group(t, peers_agree.jaxcomm_powersgd_group(_SHAPES, **_GROUP))
     tol = _tol(c)
     # 2 dense steps (torch's hook needs start_powerSGD_iter >= 2 with error feedback or warm
     # start), then 3 PowerSGD steps (warm start, error feedback)
@@ -150,17 +153,19 @@ def test_powersgd_world2_breakage_disagrees(torch_group, breakage):
             ]
         ),
     }[breakage]
-    c = tp.compare_powersgd_group(t, tp.jaxcomm_powersgd_group(_SHAPES, **_GROUP, **kw))
+    c = peers_agree.compare_powersgd_group(
+        t, peers_agree.jaxcomm_powersgd_group(_SHAPES, **_GROUP, **kw)
+    )
     assert max(c["output_max_abs_diff"]) > 100 * _tol(c), c
 
 
 def test_digits_twins_same_loss_and_size():
     """The bench's ``digits`` model (64-256-10, tanh) in both frameworks."""
-    from experiments.bench import peers
+    from experiments.bench import peers_jax
 
-    kw, shape = tp.MODELS["digits"]
+    kw, shape = peers_setup.MODELS["digits"]
     net = tp.torch_model("digits")
-    _, params, _ = peers._model("digits")
+    _, params, _ = peers_jax.build_model("digits")
     assert sum(p.numel() for p in net.parameters()) == 19210
     assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params)) == 19210
     lj, lt = _losses(models.build(**kw), net, shape)

@@ -1,6 +1,6 @@
-"""experiments.bench.peers without processes or torch: the configurations' steps build on
-2 devices, and the report's numbers (merged launches, step minus nocomm, ratios) are
-computed right from synthetic cells."""
+"""experiments.bench.peers without processes or torch: the configurations' steps
+(peers_jax) build on 2 devices, and the report's numbers (merged launches, step minus
+nocomm, ratios) are computed right from synthetic cells."""
 
 import jax
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from experiments.bench import peers, peers_report
+from experiments.bench import peers_jax, peers_report
 
 # --- the configurations' steps ------------------------------------------------------------
 
@@ -17,7 +17,7 @@ from experiments.bench import peers, peers_report
 def digits():
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     sh, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    model, params0, bstats0 = peers._model("digits")
+    model, params0, bstats0 = peers_jax.build_model("digits")
     rng = np.random.default_rng(0)  # the two workers' batches differ
     x = rng.normal(size=(2, 8, 64)).astype(np.float32)
     y = rng.integers(0, 10, size=(2, 8)).astype(np.int32)
@@ -33,7 +33,7 @@ def digits():
 
 
 def test_digits_is_the_19k_mlp_with_leaves_below_the_default_min_size():
-    _, params, bstats = peers._model("digits")
+    _, params, bstats = peers_jax.build_model("digits")
     sizes = sorted(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     assert sizes == [10, 256, 2560, 16384] and not bstats  # 64-256-10: 19,210 params
     assert sum(sizes) == 19210  # the biases (10, 256) are below min_size=1024
@@ -42,7 +42,7 @@ def test_digits_is_the_19k_mlp_with_leaves_below_the_default_min_size():
 @pytest.mark.parametrize("cfg", peers_report.CONFIGS)
 def test_each_configuration_builds_and_steps(digits, cfg):
     mesh, model, params0, bstats0, glob, replicate, x, y = digits
-    fn, st = peers.build_step(cfg, model, params0, bstats0, mesh, glob, replicate)
+    fn, st = peers_jax.build_step(cfg, model, params0, bstats0, mesh, glob, replicate)
     compiled = fn.lower(*st, x, y).compile()
     new = jax.block_until_ready(compiled(*st, x, y))[0]
     import jaxcomm
@@ -62,7 +62,7 @@ def test_each_configuration_builds_and_steps(digits, cfg):
 
 def test_an_unknown_configuration_is_refused():
     with pytest.raises(ValueError, match="unknown configuration"):
-        peers._jaxcomm_tx("topk_1pct")
+        peers_jax.jaxcomm_tx("topk_1pct")
 
 
 # --- the report -------------------------------------------------------------------------------
