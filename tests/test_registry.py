@@ -125,7 +125,7 @@ def steps(name, update, g, state):
 
 
 # Public callables that are not transforms.
-NOT_TRANSFORMS = {"compress", "wire_bytes", "ring_allreduce", "data_parallel", "init_state"}
+NOT_TRANSFORMS = {"compress", "wire_bytes", "ring_allreduce", "data_parallel", "init_state", "fsdp"}
 # Transforms whose properties need a setting this file's tests cannot give, and where
 # the same properties are tested instead.
 TESTED_ELSEWHERE = {
