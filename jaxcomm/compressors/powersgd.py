@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxcomm import buckets, checks, core, exchange
+from jaxcomm.branches import typed_cond
 from jaxcomm.exchange import AxisName
 
 __all__ = ["PowerSGDState", "leaf_plan", "powersgd", "orthogonalize"]
@@ -447,12 +447,11 @@ def powersgd(
             started = state.count >= start_iter
             if axis_name is not None:  # identical, and typed invariant, on all workers
                 started = exchange.agree(started.astype(jnp.int32), axis_name) > 0
-            out, key_, q, res, nonfinite = _cond(
+            out, key_, q, res, nonfinite = typed_cond(
                 started,
                 lambda s: power_step(grads, s, treedef),
                 lambda s: dense_step(grads, s),
                 state,
-                axis_name,
             )
         new_state = PowerSGDState(
             count=optax.safe_int32_increment(state.count),
@@ -464,25 +463,3 @@ def powersgd(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _cond(pred, true_fn, false_fn, operand, axis_name):
-    """``lax.cond`` whose branches' outputs are typed alike under ``shard_map``.
-
-    One branch may return an unchanged (per-worker, "varying") state leaf
-    where the other returns a worker mean ("invariant"); each state leaf is
-    marked varying in both (a type cast, no data moves). Outputs (the first
-    element) are worker means in both branches and stay invariant.
-    """
-    if axis_name is None or not exchange.is_manual_axis(axis_name):
-        return lax.cond(pred, true_fn, false_fn, operand)
-
-    def typed(fn):
-        def branch(s):
-            out, *rest = fn(s)
-            rest = jax.tree.map(lambda x: exchange.as_varying(x, axis_name), rest)
-            return (out, *rest)
-
-        return branch
-
-    return lax.cond(pred, typed(true_fn), typed(false_fn), operand)

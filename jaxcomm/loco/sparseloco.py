@@ -45,9 +45,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import checks, collectives, core, exchange, sync
+from jaxcomm import checks, collectives, core, exchange
+from jaxcomm.branches import typed_cond
 from jaxcomm.compressors import packing
 from jaxcomm.exchange import AxisName
+from jaxcomm.sync.averaging import sync_step
+from jaxcomm.sync.common import add_updates, updates_to
 
 __all__ = ["SparseLoCoState", "sparseloco", "sparseloco_sync_bytes"]
 
@@ -276,14 +279,14 @@ def sparseloco(
         ]
 
         def outer(u, params, anchor, error, syncs):
-            local = jax.tree.leaves(sync.add_updates(params, u))
+            local = jax.tree.leaves(add_updates(params, u))
             leaves = jax.tree.leaves
             new_anchor, new_error = _outer_step(
                 leaves(anchor), leaves(error), local, layouts, beta, alpha, axis_name
             )
             anchor, error = treedef.unflatten(new_anchor), treedef.unflatten(new_error)
             return (
-                sync.updates_to(anchor, params, u),
+                updates_to(anchor, params, u),
                 anchor,
                 error,
                 optax.safe_int32_increment(syncs),
@@ -292,8 +295,8 @@ def sparseloco(
         def stay(u, params, anchor, error, syncs):
             return u, anchor, error, syncs
 
-        is_sync = sync.sync_step(state, every, 0)
-        u, anchor, error, syncs = sync.typed_cond(
+        is_sync = sync_step(state, every, 0)
+        u, anchor, error, syncs = typed_cond(
             is_sync, outer, stay, u, params, state.anchor, state.error, state.syncs
         )
         return u, SparseLoCoState(

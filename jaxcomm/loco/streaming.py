@@ -35,8 +35,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, exchange, sync
+from jaxcomm import buckets, checks, exchange
+from jaxcomm.branches import typed_cond
 from jaxcomm.exchange import AxisName
+from jaxcomm.sync.common import (
+    add_updates,
+    as_compressor,
+    check_compressor_axis,
+    check_float_params,
+    inc_count,
+    updates_to,
+    zero_count,
+)
 
 __all__ = ["StreamingDiLoCo", "StreamingDiLoCoState", "fragment_of", "streaming_diloco"]
 
@@ -187,7 +197,7 @@ class StreamingDiLoCo:
         self.every, self.fragments, self.delay, self.mix = _check(every, fragments, delay, mix)
         self.axis_name = exchange.check_axis_name(axis_name)
         self.bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-        self.comp = sync.as_compressor(compressor, axis_name)
+        self.comp = as_compressor(compressor, axis_name)
         self.offsets = [((f + 1) * every // fragments) % every for f in range(fragments)]
 
     def sends(self, s: int) -> list[int]:
@@ -204,15 +214,15 @@ class StreamingDiLoCo:
         return [[j for j, g in enumerate(of) if g == f] for f in range(self.fragments)]
 
     def init(self, params: Any) -> StreamingDiLoCoState:
-        sync.check_float_params(params)
+        check_float_params(params)
         if self.comp is not None:
-            sync.check_compressor_axis(self.comp, params, self.axis_name)
+            check_compressor_axis(self.comp, params, self.axis_name)
         anchor = jax.tree.map(jnp.asarray, params)
         leaves = jax.tree.leaves(anchor)
         members = self.members(params)
         return StreamingDiLoCoState(
-            count=sync.zero_count(),
-            syncs=sync.zero_count(),
+            count=zero_count(),
+            syncs=zero_count(),
             inner_state=self.inner.init(params),
             anchor=anchor,
             outer_state=tuple(self.outer.init(_pick(leaves, m)) for m in members),
@@ -236,14 +246,14 @@ class StreamingDiLoCo:
                 mean = buckets.pmean(local, self.axis_name, self.bucket_bytes)
             delta = [a - m for a, m in zip(anchor, mean)]
         step, outer_state = self.outer.update(delta, outer_state, anchor)
-        return sync.add_updates(anchor, step), outer_state, comp_state
+        return add_updates(anchor, step), outer_state, comp_state
 
     def _fragment(self, f, s, parts, overlap):
         """Fragment ``f`` at inner step ``s``: send (unless ``overlap``), merge what lands."""
         local, anchor, outer_state, comp_state = parts
         sends = s % self.every == self.offsets[f]
         if not overlap:
-            anchor, outer_state, comp_state = sync.typed_cond(
+            anchor, outer_state, comp_state = typed_cond(
                 sends, self.send, lambda _local, *rest: rest, *parts
             )
         lands = (s - self.delay >= 1) & ((s - self.delay) % self.every == self.offsets[f])
@@ -258,7 +268,7 @@ class StreamingDiLoCo:
         exchange.check_per_worker(updates, self.axis_name)
         u, inner_state = self.inner.update(updates, state.inner_state, params)
         s = state.count + 1  # this is inner step s (1-based)
-        local = jax.tree.leaves(sync.add_updates(params, u))
+        local = jax.tree.leaves(add_updates(params, u))
         anchor, treedef = jax.tree.flatten(state.anchor)
         outer_states, comp_states, syncs = [], [], state.syncs
         for f, m in enumerate(self.members(params)):
@@ -270,8 +280,8 @@ class StreamingDiLoCo:
             comp_states.append(c)
             syncs = syncs + sent.astype(jnp.int32)
         new = treedef.unflatten(local)
-        return sync.updates_to(new, params, u), StreamingDiLoCoState(
-            count=sync.inc_count(state.count),
+        return updates_to(new, params, u), StreamingDiLoCoState(
+            count=inc_count(state.count),
             syncs=syncs,
             inner_state=inner_state,
             anchor=treedef.unflatten(anchor),

@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core, sync
+from jaxcomm import buckets, checks, core
 from jaxcomm import exchange as _xc
+from jaxcomm.branches import typed_cond
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
 from jaxcomm.optim import common
@@ -142,7 +143,7 @@ def onebit_adam(
         if warmup_steps == 0:
             mu, nu, comm = compressed(*args)
         else:
-            mu, nu, comm = sync.typed_cond(state.count < warmup_steps, warm, compressed, *args)
+            mu, nu, comm = typed_cond(state.count < warmup_steps, warm, compressed, *args)
 
         lr = common.learning_rate_at(learning_rate, state.count)
         step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)

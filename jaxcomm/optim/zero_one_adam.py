@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core, sync
+from jaxcomm import buckets, checks, core
 from jaxcomm import exchange as _xc
+from jaxcomm.branches import typed_cond
 from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.exchange import AxisName
 from jaxcomm.optim import common
@@ -243,7 +244,7 @@ def zero_one_adam(
                 mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, mu, g)
                 return mu, nu, comm
 
-            mu, nu, comm = sync.typed_cond(is_var, refresh, onebit, g, mu, nu, comm)
+            mu, nu, comm = typed_cond(is_var, refresh, onebit, g, mu, nu, comm)
             out = jax.tree.map(lambda a: -lr * a, direction(mu, nu, p))
             return mu, nu, u, lrs, comm, out
 
@@ -265,14 +266,14 @@ def zero_one_adam(
             def local(mu, u_new, lrs, comm):
                 return mu, u_new, lrs, comm, delta
 
-            mu, u, lrs, comm, out = sync.typed_cond(is_sync, synced, local, mu, u_new, lrs, comm)
+            mu, u, lrs, comm, out = typed_cond(is_sync, synced, local, mu, u_new, lrs, comm)
             return mu, nu, u, lrs, comm, out
 
         args = (grads, state.mu, state.nu, state.u, state.lrs, comm0, p)
         if var_freeze_step == 0:
             mu, nu, u, lrs, comm, out = frozen_stage(*args)
         else:
-            mu, nu, u, lrs, comm, out = sync.typed_cond(frozen, frozen_stage, variance_stage, *args)
+            mu, nu, u, lrs, comm, out = typed_cond(frozen, frozen_stage, variance_stage, *args)
         out = jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates)
 
         # ``ok`` is the same on every worker on steps that communicate (pmean and
