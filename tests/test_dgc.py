@@ -214,10 +214,10 @@ def test_masking_zeroes_u_and_v_at_sent_positions():
     "d, p, cap", [(3000, 0.01, 40), (64, 1.0, 64), (33, 1.0, 40), (1000, 0.0, 5), (5000, 0.002, 7)]
 )
 def test_first_set_bits_is_exact(d, p, cap):
-    from jaxcomm.compressors.dgc import _first_set, _pack
+    from jaxcomm.compressors.dgc.selection import first_set, pack_bits
 
     sel = np.random.default_rng(d).random(d) < p
-    got = np.asarray(_first_set(_pack(jnp.asarray(sel)), cap, d))
+    got = np.asarray(first_set(pack_bits(jnp.asarray(sel)), cap, d))
     ref = np.flatnonzero(sel)[:cap]
     np.testing.assert_array_equal(got, np.concatenate([ref, np.full(cap - ref.size, d)]))
 
