@@ -14,6 +14,7 @@ import pytest
 import jaxcomm
 from jaxcomm import calibrate as C
 from jaxcomm import netsim
+from jaxcomm.calibrate import measure as M  # the module that times the probes
 from jaxcomm.ledger import Collective
 from jaxcomm.netsim import Link
 
@@ -266,7 +267,7 @@ def test_calibrate_needs_two_devices_on_the_axis():
 def test_calibrate_times_more_rounds_while_a_kind_does_not_fit(mesh, monkeypatch):
     # probes: all_reduce at 64 and 128 bytes; rounds give these times in turn
     rounds = iter([[2e-3, 1.5e-3], [1e-3, 3e-3], [5e-3, 5e-3]])
-    monkeypatch.setattr(C, "_measure", lambda programs, repeats: next(rounds))
+    monkeypatch.setattr(M, "_measure", lambda programs, repeats: next(rounds))
     cal = C.calibrate(mesh, "data", sizes=(64, 128), kinds=("all_reduce",), refresh=True)
     assert [p.seconds for p in cal.probes] == [1e-3, 1.5e-3]  # minimum over the 2 sets
     assert next(rounds) == [5e-3, 5e-3]  # the third set was not needed
@@ -274,7 +275,7 @@ def test_calibrate_times_more_rounds_while_a_kind_does_not_fit(mesh, monkeypatch
 
 def test_calibrate_gives_up_after_attempts(mesh, monkeypatch):
     calls = []
-    monkeypatch.setattr(C, "_measure", lambda programs, repeats: calls.append(1) or [2e-3, 1e-3])
+    monkeypatch.setattr(M, "_measure", lambda programs, repeats: calls.append(1) or [2e-3, 1e-3])
     with pytest.raises(ValueError, match="all_reduce times do not grow.*after 3 x 2 rounds"):
         C.calibrate(mesh, "data", sizes=(64, 128), repeats=2, kinds=("all_reduce",), refresh=True)
     assert len(calls) == C.ATTEMPTS
@@ -284,7 +285,7 @@ def test_calibrate_fits_the_model_of_its_algorithm(mesh, monkeypatch):
     # exact halving/doubling times for the probes: the Link comes back exactly
     sizes = (64, 128, 256)
     times = [closed_form("all_reduce", 8, s, ALPHA, B, "halving_doubling") for s in sizes]
-    monkeypatch.setattr(C, "_measure", lambda programs, repeats: list(times))
+    monkeypatch.setattr(M, "_measure", lambda programs, repeats: list(times))
     kw = dict(sizes=sizes, kinds=("all_reduce",), refresh=True)
     link = C.calibrate(mesh, "data", algorithm="halving_doubling", **kw).links.all_reduce
     assert link.latency_s == pytest.approx(ALPHA, rel=1e-9)
