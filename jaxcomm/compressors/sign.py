@@ -16,13 +16,15 @@ import optax
 from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.compressors import packing
-from jaxcomm.compressors.quantize import (
+from jaxcomm.compressors.blocks import (
     axis_workers,
     bucket_view,
     buckets,
     sum_over_workers,
     unbucket,
 )
+from jaxcomm.compressors.twobit import TwoBit, TwoBitServer, twobit
+from jaxcomm.compressors.twobit import TwoBitState as TwoBitState
 from jaxcomm.exchange import AxisName, check_axis_name
 
 
@@ -336,161 +338,6 @@ def sign_majority(
         min_size=min_size,
         bucket_bytes=bucket_bytes,
         state_dtype=state_dtype,
-    )
-
-
-# --- 2-bit threshold (MXNet) --------------------------------------------------------
-
-
-class TwoBitState(core.CompressState):
-    """State of the TwoBit transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
-
-
-def _ternary(words: jnp.ndarray, d: int) -> jnp.ndarray:
-    """``(nw,)`` words of 2-bit codes -> ``(d,)`` float32: code 1 -> +1, 2 -> −1, 0 -> 0."""
-    code = packing.unpack(words, 2, d).astype(jnp.int32)
-    return ((code & 1) - (code >> 1)).astype(jnp.float32)
-
-
-class TwoBit(core.CompressorBase):
-    """Codes 0 (zero), 1 (+τ), 2 (−τ), 16 per uint32 word, all-gathered.
-
-    On the two-phase exchange the chunk means are re-quantised by
-    :class:`TwoBitServer` (:meth:`server_codec`), not with τ.
-    """
-
-    state_cls = TwoBitState
-
-    kind = "all_gather"
-    auto_two_phase = True  # exchange="auto": two-phase where fewer bytes
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-        self._server = TwoBitServer()
-
-    def encode(self, p, key):
-        code = jnp.where(p >= self.threshold, 1, jnp.where(p <= -self.threshold, 2, 0))
-        return (packing.pack(code, 2, dtype=jnp.uint32),), None
-
-    def decode(self, payload, aux, d, dtype):
-        # payload: (n, nw) uint32 words of 2-bit codes
-        tau = jnp.asarray(self.threshold, dtype).astype(jnp.float32)  # τ as the residual sees it
-
-        def one(words):
-            return tau * _ternary(words, d)  # 1: +τ, 2: −τ, 0: 0
-
-        return sum_over_workers(one, payload).astype(dtype)
-
-    def residual(self, p, payload, aux):
-        tau = jnp.asarray(self.threshold, p.dtype)
-        q = jnp.where(p >= tau, tau, jnp.where(p <= -tau, -tau, jnp.zeros((), p.dtype)))
-        return p - q
-
-    def server_codec(self) -> TwoBitServer:
-        return self._server
-
-
-class TwoBitServer(core.CompressorBase):
-    """2-bit codes with a per-chunk scale: twobit's codec for the two-phase chunk means.
-
-    Rule, on a chunk ``s`` of c entries (the workers' mean of the chunk plus
-    the server residual; the last chunk's zero padding counted in c):
-    ``a = mean_i |s_i|`` (float32), ``q_i = +a if s_i >= a/2, −a if
-    s_i <= −a/2, else 0`` (the nearest of ``{−a, 0, +a}``); the server
-    residual keeps ``s − q``. Payload: the codes, 16 per uint32 word, and
-    ``a`` as one float32: ``4·ceil(c/16) + 4`` bytes.
-
-    Why not τ: a chunk mean is the average of n workers' ``{−τ, 0, +τ}``, in
-    steps of ``τ/n``; re-quantised with τ, only entries where every worker
-    sent the same ``±τ`` (or where the server residual has grown to τ) move,
-    so one step's update has almost no component along the worker mean. The
-    scale follows the means: every entry above half the chunk's mean
-    magnitude moves at once.
-    """
-
-    kind = "all_gather"
-
-    def encode(self, p, key):
-        x = p.astype(jnp.float32)
-        a = jnp.mean(jnp.abs(x))
-        half = a / 2
-        code = jnp.where(x >= half, 1, jnp.where(x <= -half, 2, 0))  # a = 0: q = 0 either way
-        return (packing.pack(code, 2, dtype=jnp.uint32), a.reshape(1)), None
-
-    def decode(self, payload, aux, d, dtype):
-        # payload: (n, nw) uint32 words of 2-bit codes, (n, 1) float32 scales
-
-        def one(words, scale):
-            return scale * _ternary(words, d)
-
-        return sum_over_workers(one, payload).astype(dtype)
-
-
-def twobit(
-    threshold: float = 0.5,
-    *,
-    axis_name: AxisName | None = None,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
-) -> optax.GradientTransformation:
-    """MXNet's 2-bit gradient compression with a residual.
-
-    Rule (MXNet kvstore ``type='2bit'``), per entry with threshold τ:
-    ``r += g``; ``q = +τ if r >= τ, −τ if r <= −τ, else 0``; ``r −= q``. The
-    residual ``r`` is the error-feedback memory (always on). Note that at
-    most τ leaves the residual per step: pick τ near the typical size of a
-    gradient entry (the default 0.5 is MXNet's, tuned for its models).
-
-    Wire per worker per leaf: ``4·ceil(d/16)`` bytes (2-bit codes, 16 per
-    uint32 word), all-gathered: 1/16 of fp32.
-
-    On the two-phase exchange (``exchange="auto"`` picks it on more than two
-    workers where it moves fewer bytes) the workers send their chunks with
-    this rule; the owner of chunk j averages them, adds its server residual,
-    ``s = mean + r_s``, and re-quantises with a scale of its own, not τ
-    (:class:`TwoBitServer`): ``a = mean |s|`` over the chunk,
-    ``q = +a if s >= a/2, −a if s <= −a/2, else 0``, ``r_s = s − q``; it
-    all-gathers the 2-bit codes and ``a`` (one float32 per chunk). A worker
-    sends ``(n-1)·(2·4·ceil(c/16) + 4)`` bytes per leaf, ``c = ceil(d/n)``.
-    (With τ on the server, a mean, in steps of τ/n, moved only where all n
-    workers agreed: the first step's update was nearly orthogonal to the
-    worker mean.)
-
-    Args:
-      threshold: τ > 0.
-      axis_name: mesh axis to average over; ``None`` quantises locally.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
-
-    Returns:
-      An ``optax.GradientTransformation``; updates keep their dtype.
-
-    Example:
-      >>> tx = optax.chain(jaxcomm.twobit(0.5, axis_name="data"), optax.sgd(0.1))
-
-    References:
-      MXNet, "Gradient Compression" (kvstore.set_gradient_compression,
-      type '2bit'), 2017. Strom, "Scalable Distributed DNN Training Using
-      Commodity GPU Cloud Computing", Interspeech 2015.
-    """
-    threshold = checks.check_positive(threshold, "threshold")
-    return core.compress(
-        TwoBit(threshold),
-        axis_name=axis_name,
-        error_feedback=True,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
     )
 
 
