@@ -1194,8 +1194,9 @@ top-k break-even, measured against predicted step times from
 # Layout
 
     jaxcomm/
-      core.py          Compressor protocol, compress(): its update in small stages (check
-                       state, step key, add memory, group leaves, strategy, new state)
+      protocol.py      the Compressor protocol, CompressorBase, CompressState and their checks
+      core.py          compress(): its update in small stages (check state, step key, add
+                       memory, group leaves, strategy, new state); re-exports protocol.py
       checks.py        the shared argument and state validators (check_int, check_float,
                        check_ratio, check_tx, ...); imports nothing of jaxcomm
       strategies.py    the exchange strategies with one signature: local, gather (psum or
@@ -1203,24 +1204,31 @@ top-k break-even, measured against predicted step times from
       ledger.py        the byte ledger: what a transform sends (Collective records)
       collectives.py   psum / all_gather / reduce-scatter / all-to-all / ppermute
                        wrappers that record to the ledger; as_varying, axis checks
+      branches.py      typed_cond / typed_switch: lax.cond and lax.switch whose branches
+                       are typed alike under shard_map
       buckets.py       tensor fusion: one collective per bucket of payloads
       exchange.py      ring all-reduce, two-phase exchange, compressed reduce-scatter,
                        hierarchical exchange
-      compressors/     dense.py (allreduce, cast), sparse.py (topk, randomk, threshold),
-                       quantize.py (int8, qsgd, terngrad), sign.py (onebit, ef_sign,
-                       sign_majority, twobit), packing.py (bit packing), dgc.py,
-                       powersgd.py
-      sync.py          accumulate, local_sgd, diloco, delayed_averaging, stale,
-                       skip_nonfinite
+      compressors/     dense.py (allreduce, cast), sparse/ (topk, randomk, threshold: one
+                       module each), selection.py (the threshold's strided-prime
+                       selection), quantize.py (int8, qsgd, terngrad), sign.py (onebit,
+                       ef_sign, sign_majority), twobit.py, blocks.py (bucket views and
+                       the streamed decode they share), packing.py (bit packing), dgc/
+                       (schedule, selection, transform, chain), powersgd.py
+      sync/            accumulation (accumulate), averaging (local_sgd, diloco), delays
+                       (delayed_averaging, stale), nonfinite (skip_nonfinite)
       loco/            the DiLoCo family: streaming.py (streaming_diloco, the
                        StreamingDiLoCo rule), overlap.py (Overlap: exchanges in a host
                        thread), sparseloco.py, muloco.py
       optim/           onebit_adam.py (1-bit Adam), zero_one_adam.py (0/1 Adam),
                        demo.py (DeMo)
       accounting.py    wire_bytes / wire_report / traffic_bytes; collective bytes in HLO
-      netsim.py        alpha-beta cost model, step-time model, what-if analysis
-      calibrate.py     per-kind alpha/beta measured on the user's mesh
-      policy.py        auto / choose / measure: the exchange measured cheapest on the mesh
+      netsim/          alpha-beta cost model (costs), step-time model (step), what-if
+                       analysis (questions); Link and Cluster (links)
+      calibrate/       per-kind alpha/beta: the fit and the model (model), measured on the
+                       user's mesh (measure)
+      policy/          auto / choose / measure: the exchange measured cheapest on the mesh
+                       (timing, choice, transform)
       distributed.py   jax.distributed start-up, global mesh, per-process data
       parallel/        data_parallel / init_state: the data-parallel step helper (layout,
                        arguments: the batch and keys, step)

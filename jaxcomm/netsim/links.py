@@ -7,7 +7,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Cluster", "Link", "choice", "count", "fraction", "non_negative", "positive"]
+__all__ = [
+    "Cluster",
+    "Link",
+    "choice",
+    "count",
+    "fraction",
+    "non_negative",
+    "open_fraction",
+    "positive",
+]
 
 
 # --- validation -----------------------------------------------------------------
@@ -47,6 +56,15 @@ def fraction(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def open_fraction(name: str, value: float) -> float:
+    """``value``, checked in the open interval (0, 1); the error names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number in (0, 1), got {value!r}")
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: must be in the open interval (0, 1), got {value!r}")
+    return value
 
 
 def choice(name: str, value: str, allowed: Sequence[str]) -> str:

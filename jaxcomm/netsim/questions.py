@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from jaxcomm.netsim.links import Cluster, Link, count, positive
+from jaxcomm.netsim.links import Cluster, Link, count, open_fraction, positive
 from jaxcomm.netsim.step import DEFAULT_BACKWARD_FRACTION, DEFAULT_BUCKET_BYTES, step_time
 
 
@@ -59,10 +59,7 @@ def required_compression(
       Zhang et al. 2020, arXiv:2006.10103 (Section 5, what-if analysis).
     """
     model_bytes = positive("model_bytes", model_bytes)
-    if isinstance(target_sf, bool) or not isinstance(target_sf, (int, float)):
-        raise TypeError(f"target_sf: expected a number in (0, 1), got {target_sf!r}")
-    if not 0.0 < target_sf < 1.0:
-        raise ValueError(f"target_sf: must be in the open interval (0, 1), got {target_sf!r}")
+    open_fraction("target_sf", target_sf)
     max_ratio = positive("max_ratio", max_ratio)
 
     def sf(ratio: float) -> float:

@@ -148,14 +148,13 @@ def threshold(
 
     Exact top-k ranks all ``d`` entries (``lax.top_k``); this path folds the
     gradient once and ranks ``2m >= 4k`` candidates (its cost against top-k and a
-    gradient copy: ``experiments/results/floor.md``). The payload
-    has top-k's ``k = ceil(ratio·d)`` slots. The entries fall into ``m``
-    classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``,
-    every entry a candidate, when no such prime is below ``d``); one fold
-    of the ``(d // m, m)`` view, 8 row slices at a time, gives each class's
-    largest and runner-up magnitude, and the ``k`` largest of these ``2m`` candidates
-    that reach the threshold are sent. With
-    ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
+    gradient copy: ``experiments/results/floor.md``). The payload has top-k's
+    ``k = ceil(ratio·d)`` slots. The entries fall into ``m`` classes ``j, j+m,
+    j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``, every entry a candidate,
+    when no such prime is below ``d``); one fold of the ``(d // m, m)`` view, 8
+    row slices at a time, gives each class's largest and runner-up magnitude,
+    and the ``k`` largest of these ``2m`` candidates that reach the threshold
+    are sent. With ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
     (``s`` the smallest prime ``>= round(1/sample_ratio)``, or a denser one
     where the sample would keep fewer than 32 entries), set at 1.25 times the
     sample's top-``ratio`` count so that it rarely cuts into the true top-k
