@@ -130,7 +130,8 @@ def check_elementwise(tx: optax.GradientTransformation, size: int = 16) -> None:
 
 
 class Fsdp:
-    """What :func:`fsdp` returns: ``init``, ``step``, ``params``, ``wire_report``, ``memory``."""
+    """What :func:`fsdp` returns: ``init``, ``step``, ``params``, ``load``, ``wire_report``,
+    ``memory``."""
 
     def __init__(
         self,
@@ -186,15 +187,60 @@ class Fsdp:
             opt_state,
             self._specs(opt_state),
         )
-        comm_state = None
-        if self.gradients is not None:
-            one = self.gradients.init(jnp.zeros((self.length,), jnp.float32))
-            comm_state = jax.tree.map(
-                lambda x: jax.device_put(jnp.broadcast_to(x, (self.n, *jnp.shape(x))), shard),
-                one,
-            )
+        comm_state = None if self.gradients is None else self._fresh_comm_state()
         self._step = None
         return FsdpState(flat, opt_state, comm_state)
+
+    def load(self, state: FsdpState) -> FsdpState:
+        """A state saved by a trainer of the same model on any worker count, laid out here.
+
+        ``state``'s arrays may be on the host (e.g. an orbax restore as NumPy) or on
+        another mesh. The flat vectors (params and every optimizer leaf of their
+        length) are cut to the model's ``D`` entries and zero-padded to this
+        mesh's length, so the values carry over bit for bit. The gradient
+        transform's residuals are per worker: they load only onto the same
+        worker count; for another, pass ``state._replace(comm_state=None)`` to
+        start fresh residuals (the last steps' compression error is dropped).
+        Call :meth:`init` (or give the params once) first, for the layout.
+        """
+        self._need_layout()
+        old = int(jnp.shape(state.params)[0])
+        if old < self._size:
+            raise ValueError(
+                f"state.params: {old} entries, fewer than this model's {self._size}: "
+                "a state of another model"
+            )
+
+        def relay(x, spec):
+            x = jnp.asarray(x)
+            if spec == P(self.axis_name) and x.shape[0] == old:
+                x = jnp.pad(x[: self._size], (0, self.length - self._size))
+            return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+        params = relay(state.params, P(self.axis_name))
+        opt_state = jax.tree.map(relay, state.opt_state, self._specs(state.opt_state))
+        comm_state = state.comm_state
+        if self.gradients is None or comm_state is None:
+            comm_state = None if self.gradients is None else self._fresh_comm_state()
+        else:
+            lead = {jnp.shape(x)[0] for x in jax.tree.leaves(comm_state)}
+            if lead != {self.n} or old != self.length:
+                raise ValueError(
+                    f"state.comm_state: residuals saved for {sorted(lead)} workers and "
+                    f"{old} entries; this trainer has {self.n} workers and {self.length}. "
+                    "They are per worker: pass state._replace(comm_state=None) to start "
+                    "fresh residuals"
+                )
+            shard = NamedSharding(self.mesh, P(self.axis_name))
+            comm_state = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), shard), comm_state)
+        return FsdpState(params, opt_state, comm_state)
+
+    def _fresh_comm_state(self) -> Any:
+        shard = NamedSharding(self.mesh, P(self.axis_name))
+        one = self.gradients.init(jnp.zeros((self.length,), jnp.float32))
+        return jax.tree.map(
+            lambda x: jax.device_put(jnp.broadcast_to(x, (self.n, *jnp.shape(x))), shard), one
+        )
 
     def params(self, state: FsdpState) -> Any:
         """The whole model from the master weights (exact float32; each leaf's dtype)."""
