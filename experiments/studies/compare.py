@@ -61,7 +61,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+import jax
 from absl import app, flags
+from tqdm import tqdm
 
 from experiments import digits
 from experiments.configs import digits_compare
@@ -118,8 +120,6 @@ def main(argv: Sequence[str]) -> None:
     split = digits.load(8)
     if FLAGS.shards == "skewed":
         split = digits.label_skewed(split)
-    import jax
-
     params = digits.init_params(FLAGS.model, jax.random.key(0), hidden=FLAGS.hidden)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(
@@ -128,8 +128,6 @@ def main(argv: Sequence[str]) -> None:
         f"sgd lr {FLAGS.lr}, {FLAGS.shards} shards",
         flush=True,
     )
-    from tqdm import tqdm
-
     bar = tqdm(
         total=FLAGS.steps * len(FLAGS.methods),
         unit="step",

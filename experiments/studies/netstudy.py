@@ -39,9 +39,18 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 from absl import app, flags
+from jax.sharding import PartitionSpec as P
 
+from experiments import data as data_lib
+from experiments import models, optimizers
+from experiments.configs import digits_mlp
+from experiments.netlab import parse_rate
 from experiments.studies import runs
+from jaxcomm import accounting, distributed, netsim
+from jaxcomm.compressors.dgc import dgc_density_schedule
 
 FLAGS = flags.FLAGS
 
@@ -121,12 +130,6 @@ ALPHA_CHAIN = 200  # dependent scalar all-reduces per compiled call
 
 def alpha_worker() -> None:
     """Per-collective latency inside a compiled program: a scan of dependent scalar psums."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    from jaxcomm import distributed
-
     distributed.initialize()
     mesh = distributed.global_mesh("data")
     x = distributed.shard_rows(jnp.ones((mesh.size,)), mesh, "data")
@@ -171,13 +174,6 @@ def _comm_prediction(
     Collectives: the transform's (``wire_report``) plus the training step's loss
     ``pmean``; local SGD / DiLoCo's are amortised over their sync period.
     """
-    import jax
-
-    from experiments import data as data_lib
-    from experiments import models, optimizers
-    from experiments.configs import digits_mlp
-    from jaxcomm import accounting, netsim
-
     config = digits_mlp.get_config(method)
     for o in MODELS[model]["overrides"]:
         key, value = o.removeprefix("--config.").split("=")
@@ -205,8 +201,6 @@ def _phases(config, steps: int) -> list[tuple[float, object]]:
     at once (an upper bound), so each density of ``dgc_density_schedule`` is
     priced as a DGC without warm-up at that density, weighted by its steps.
     """
-    from jaxcomm.compressors.dgc import dgc_density_schedule
-
     kw = dict(config.compressor.kwargs)
     if config.compressor.name not in ("dgc", "dgc_sgd") or not kw.get("warmup_steps"):
         return [(1.0, config)]
@@ -258,8 +252,6 @@ def time_to(curve: list[dict], target: float) -> tuple[float | None, int | None]
 
 
 def _rate_bps(rate: str) -> float:
-    from experiments.netlab import parse_rate
-
     return float(parse_rate(rate))
 
 
@@ -325,6 +317,7 @@ def report(results: dict, plot_path: str | None) -> str:
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
     if plot_path:
+        # lazy: the tables (studies.tables imports this module) render without matplotlib
         import matplotlib
 
         matplotlib.use("Agg")

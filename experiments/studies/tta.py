@@ -338,6 +338,7 @@ def plot(
 
     Returns the matplotlib figure (saved to ``path`` and closed if given).
     """
+    # lazy: the backend is chosen per call (Agg to save headless, the notebook's own to show)
     import matplotlib
 
     if path is not None:
