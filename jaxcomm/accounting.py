@@ -111,9 +111,16 @@ def wire_report(
         # a fresh function: jax caches traces by function, and init may depend on n
         state = jax.eval_shape(lambda p: tx.init(p), abstract)
         closed = jax.make_jaxpr(lambda u, s, p: tx.update(u, s, p))(abstract, state, abstract)
+    return in_program(closed, ledger.collectives)
+
+
+def in_program(closed: Any, recorded: list[Collective]) -> list[Collective]:
+    """The collectives of ``recorded`` (a ledger's, in order) whose tag is in the traced
+    program ``closed`` (a ``ClosedJaxpr``): a function traced more than once (a branch
+    traced to learn its types, ``jax.eval_shape``) records more than its program holds."""
     found: set[int] = set()
     _find_markers(closed.jaxpr, found)
-    return [c for i, c in enumerate(ledger.collectives) if i in found]
+    return [c for i, c in enumerate(recorded) if i in found]
 
 
 def _find_markers(jaxpr: Any, found: set[int]) -> None:

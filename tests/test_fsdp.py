@@ -329,3 +329,45 @@ def test_orbax_round_trip_is_bit_exact_and_loads_onto_four_workers(mesh, tmp_pat
     np.testing.assert_array_equal(mu4[:4608], mu8[:4608])
     assert moved.params.sharding == NamedSharding(mesh4, P("data"))
     four.step(moved, make_batch(6))  # and it trains on
+
+
+def test_diloco_over_fsdp_inner_steps_on_a_replica_by_data_mesh(mesh):
+    """2 replicas x 4 data workers: each replica trains sharded (AdamW inner steps), every
+    H = 3 steps DiLoCo's outer Nesterov step on the replicas' mean drift. Reference: two
+    independent 4-worker fsdp trainers (one per replica, its half of every batch) and the
+    outer rule in NumPy: delta = anchor - mean(params); m = 0.9 m + delta;
+    anchor -= 0.7 (delta + 0.9 m); both replicas restart from the anchor."""
+    H, steps = 3, 7
+    grid = jax.make_mesh((2, 4), ("replica", "data"), devices=jax.devices()[:N])
+    tx = jaxcomm.diloco(optax.adamw(1e-2), every=H, axis_name="replica")
+    trainer = jaxcomm.fsdp(loss_fn, tx, grid, replica_axis="replica")
+    state = trainer.init(make_params())
+    assert state.params.sharding == NamedSharding(grid, P("replica", "data"))
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    inner = [jaxcomm.fsdp(loss_fn, optax.adamw(1e-2), mesh4) for _ in range(2)]
+    ref = [t.init(make_params()) for t in inner]
+    anchor = np.asarray(ref[0].params)
+    momentum = np.zeros_like(anchor)
+    for s in range(steps):
+        x, y = make_batch(s)
+        state, _ = trainer.step(state, (x, y))
+        half = x.shape[0] // 2
+        ref = [t.step(r, (x[i * half : (i + 1) * half], y[i * half : (i + 1) * half]))[0]
+               for i, (t, r) in enumerate(zip(inner, ref))]  # fmt: skip
+        if (s + 1) % H == 0:
+            mean = (np.asarray(ref[0].params) + np.asarray(ref[1].params)) / np.float32(2)
+            delta = anchor - mean
+            momentum = np.float32(0.9) * momentum + delta
+            anchor = anchor - np.float32(0.7) * (delta + np.float32(0.9) * momentum)
+            ref = [r._replace(params=jax.device_put(anchor, r.params.sharding)) for r in ref]
+    for r in range(2):
+        got, want = trainer.params(state, r), inner[r].params(ref[r])
+        for k in want:
+            np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), atol=2e-6)
+    # after step 7 the replicas differ (one inner step past the sync at step 6) ...
+    both = np.asarray(state.params)
+    assert not np.array_equal(both[0], both[1])
+    # ... and the outer exchange moves each worker's shard across replicas only
+    report = trainer.wire_report(state, make_batch())
+    assert [c.kind for c in report if c.axis == "replica"] == ["all_reduce"]
+    assert [c.nbytes for c in report if c.axis == "replica"] == [4 * trainer.chunk]

@@ -45,6 +45,14 @@ transform with ``exchange="reduce_scatter"`` on ``axis_name`` (e.g.
 quantised gradients over an all-to-all): it hands each worker its ``(c,)``
 chunk of the worker mean, with its residual kept per worker in the state.
 
+Replica groups (``replica_axis``, a ``replica x data`` mesh): the DiLoCo family
+over sharded inner steps, as torchft #171 and prime-diloco ask. Each replica
+keeps its own sharded params and state (a leading replica axis on every
+leaf), its inner steps exchange within the replica as above, and ``tx``
+(e.g. ``jaxcomm.diloco(optax.adamw(1e-3), every=50, axis_name="replica")``)
+averages across replicas: each worker moves only its own ``(c,)`` shard, with
+the workers holding the same shard in the other replicas.
+
 The step runs under ``jax.shard_map(check_vma=False)`` over ``axis_name``;
 the batch's leading axis is split over the workers. :meth:`Fsdp.wire_report`
 lists the step's collectives as the byte ledger sees them (held equal to the
@@ -64,7 +72,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm import collectives
+from jaxcomm import accounting, collectives
 from jaxcomm.ledger import Collective, recording
 from jaxcomm.parallel.layout import axis_size
 
@@ -144,11 +152,17 @@ class Fsdp:
         gradients: optax.GradientTransformation | None,
         block_size: int,
         has_aux: bool,
+        replica_axis: str | None = None,
     ):
         self.loss_fn, self.tx, self.mesh = loss_fn, tx, mesh
+        self.replica_axis = replica_axis
+        self.replicas = 1 if replica_axis is None else axis_size(mesh, replica_axis)
         self.axis_name, self.weights, self.gradients = axis_name, weights, gradients
         self.block_size, self.has_aux = block_size, has_aux
         self.n = axis_size(mesh, axis_name)
+        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+        with no_mesh, self._simulated_axes():
+            check_elementwise(tx)
         self._unravel = None
         self._size = None
         self._step = None
@@ -173,20 +187,38 @@ class Fsdp:
         return jnp.pad(v, (0, self.length - v.shape[0]))
 
     def _specs(self, state_tree: Any) -> Any:
-        ax = self.axis_name
-        return jax.tree.map(lambda x: P(ax) if jnp.ndim(x) >= 1 else P(), state_tree)
+        """Stored leaves' specs: the flat-vector leaves (and residuals' worker axis) over the
+        data axis, scalars replicated; with replicas, a leading replica axis on every leaf."""
+        ax, r = self.axis_name, self.replica_axis
+        if r is None:
+            return jax.tree.map(lambda x: P(ax) if jnp.ndim(x) >= 1 else P(), state_tree)
+        return jax.tree.map(lambda x: P(r, ax) if jnp.ndim(x) >= 2 else P(r), state_tree)
+
+    def _stored(self, tree: Any) -> Any:
+        """One replica's leaves as stored: with replicas, a leading replica axis (copies)."""
+        if self.replica_axis is None:
+            return tree
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *jnp.shape(x))), tree)
+
+    def _put(self, tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec)),
+            tree,
+            self._specs(tree),
+        )
+
+    @property
+    def _axes(self) -> Any:
+        """Every worker of every replica (the batch's and the loss's axes)."""
+        return self.axis_name if self.replica_axis is None else (self.replica_axis, self.axis_name)
 
     def init(self, params: Any) -> FsdpState:
         """The sharded state of ``params``: flat master weights, optimizer and residuals."""
         self._layout(params)
-        shard = NamedSharding(self.mesh, P(self.axis_name))
-        flat = jax.device_put(self._flat(params), shard)
-        opt_state = self.tx.init(flat)
-        opt_state = jax.tree.map(
-            lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)),
-            opt_state,
-            self._specs(opt_state),
-        )
+        flat = self._flat(params)
+        with self._simulated_axes():
+            opt_state = self.tx.init(flat)
+        flat, opt_state = self._put(self._stored(flat)), self._put(self._stored(opt_state))
         comm_state = None if self.gradients is None else self._fresh_comm_state()
         self._step = None
         return FsdpState(flat, opt_state, comm_state)
@@ -204,6 +236,14 @@ class Fsdp:
         Call :meth:`init` (or give the params once) first, for the layout.
         """
         self._need_layout()
+        if self.replica_axis is not None:
+            want = (self.replicas, self.length)
+            if tuple(jnp.shape(state.params)) != want:
+                raise ValueError(
+                    "state.params: with replica_axis, a state loads onto the same replica and "
+                    f"worker counts only (saved {tuple(jnp.shape(state.params))}, here {want})"
+                )
+            return self._put(jax.tree.map(jnp.asarray, state))
         old = int(jnp.shape(state.params)[0])
         if old < self._size:
             raise ValueError(
@@ -236,17 +276,25 @@ class Fsdp:
         return FsdpState(params, opt_state, comm_state)
 
     def _fresh_comm_state(self) -> Any:
-        shard = NamedSharding(self.mesh, P(self.axis_name))
         one = self.gradients.init(jnp.zeros((self.length,), jnp.float32))
-        return jax.tree.map(
-            lambda x: jax.device_put(jnp.broadcast_to(x, (self.n, *jnp.shape(x))), shard), one
-        )
+        workers = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), one)
+        return self._put(self._stored(workers))
 
-    def params(self, state: FsdpState) -> Any:
-        """The whole model from the master weights (exact float32; each leaf's dtype)."""
+    def _simulated_axes(self) -> Any:
+        """The mesh axes as the byte ledger simulates them (tracing outside the mesh)."""
+        sizes = {self.axis_name: self.n}
+        if self.replica_axis is not None:
+            sizes[self.replica_axis] = self.replicas
+        return recording(sizes)
+
+    def params(self, state: FsdpState, replica: int = 0) -> Any:
+        """The whole model from the master weights (exact float32; each leaf's dtype);
+        with replicas, replica ``replica``'s (all equal right after an outer step)."""
         self._need_layout()
         flat = jax.device_put(state.params, NamedSharding(self.mesh, P()))
-        return self._unravel(flat[: self._size])
+        if self.replica_axis is not None:
+            flat = jax.lax.index_in_dim(flat, replica, keepdims=False)
+        return self._unravel(jax.lax.slice_in_dim(flat, 0, self._size))
 
     def _need_layout(self) -> None:
         if self._unravel is None:
@@ -292,16 +340,23 @@ class Fsdp:
         g, comm_state = self._reduce_scatter(self._flat(grads), comm_state)
         updates, opt_state = self.tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
-        loss = collectives.pmean(loss, self.axis_name)
+        loss = collectives.pmean(loss, self._axes)
         return params, opt_state, comm_state, loss
+
+    def _replica_worker(self, params, opt_state, comm_state, batch):
+        """:meth:`_worker` on this replica's leaves (the leading replica axis of size 1 here)."""
+        strip = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
+        lead = lambda t: jax.tree.map(lambda x: x[None], t)  # noqa: E731
+        *out, loss = self._worker(strip(params), strip(opt_state), strip(comm_state), batch)
+        return (*lead(tuple(out)), loss)
 
     def _compiled(self, state: FsdpState, batch: Any) -> Callable:
         if self._step is None:
-            ax = self.axis_name
-            specs = (P(ax), self._specs(state.opt_state), self._specs(state.comm_state))
-            batch_specs = jax.tree.map(lambda _: P(ax), batch)
+            specs = tuple(self._specs(part) for part in state)
+            batch_specs = jax.tree.map(lambda _: P(self._axes), batch)
+            worker = self._worker if self.replica_axis is None else self._replica_worker
             fn = jax.shard_map(
-                self._worker,
+                worker,
                 mesh=self.mesh,
                 in_specs=(*specs, batch_specs),
                 out_specs=(*specs, P()),
@@ -313,11 +368,12 @@ class Fsdp:
     def step(self, state: FsdpState, batch: Any) -> tuple[FsdpState, jax.Array]:
         """One training step on the global ``batch`` (its leading axis split over workers)."""
         self._need_layout()
+        workers = self.n * self.replicas
         for path, x in jax.tree_util.tree_leaves_with_path(batch):
-            if jnp.ndim(x) == 0 or jnp.shape(x)[0] % self.n:
+            if jnp.ndim(x) == 0 or jnp.shape(x)[0] % workers:
                 raise ValueError(
                     f"batch: leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(x)}; its "
-                    f"leading axis must split evenly over the {self.n} workers"
+                    f"leading axis must split evenly over the {workers} workers"
                 )
         batch = self._place(batch)
         fn = self._compiled(state, batch)
@@ -326,7 +382,7 @@ class Fsdp:
 
     def _place(self, batch: Any) -> Any:
         """The global batch split over the workers (a no-op for arrays already there)."""
-        shard = NamedSharding(self.mesh, P(self.axis_name))
+        shard = NamedSharding(self.mesh, P(self._axes))
         return jax.tree.map(lambda x: jax.device_put(x, shard), batch)
 
     def lower(self, state: FsdpState, batch: Any) -> Any:
@@ -338,21 +394,22 @@ class Fsdp:
         """The collectives one worker takes part in during one step (the byte ledger's view)."""
         self._need_layout()
 
-        def local(x, spec):
-            shape = tuple(jnp.shape(x))
-            if spec == P(self.axis_name):
-                shape = (shape[0] // self.n, *shape[1:])
-            return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+        sizes = {self.axis_name: self.n, self.replica_axis: self.replicas}
 
-        args = [
-            jax.tree.map(local, part, self._specs(part))
-            for part in (state.params, state.opt_state, state.comm_state)
-        ]
-        b = jax.tree.map(lambda x: local(x, P(self.axis_name)), batch)
+        def local(x, spec):
+            shape = list(jnp.shape(x))
+            for i, names in enumerate(spec):
+                for name in (names,) if isinstance(names, str) else names or ():
+                    shape[i] //= sizes[name]
+            return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+
+        args = [jax.tree.map(local, part, self._specs(part)) for part in state]
+        b = jax.tree.map(lambda x: local(x, P(self._axes)), batch)
+        worker = self._worker if self.replica_axis is None else self._replica_worker
         no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        with no_mesh, recording({self.axis_name: self.n}) as ledger:
-            jax.make_jaxpr(self._worker)(*args, b)
-        return list(ledger.collectives)
+        with no_mesh, self._simulated_axes() as ledger:
+            closed = jax.make_jaxpr(worker)(*args, b)
+        return accounting.in_program(closed, ledger.collectives)
 
     def memory(self, state: FsdpState) -> dict[str, int]:
         """Bytes of parameters and optimizer state on the first device, from the shardings."""
@@ -373,6 +430,7 @@ def fsdp(
     gradients: optax.GradientTransformation | None = None,
     block_size: int = 256,
     has_aux: bool = False,
+    replica_axis: str | None = None,
 ) -> Fsdp:
     """Sharded data-parallel training of ``loss_fn(params, batch)`` with ``tx`` on ``mesh``.
 
@@ -387,6 +445,12 @@ def fsdp(
         with ``exchange="reduce_scatter"`` and this ``axis_name``.
       block_size: entries per int8 scale (``weights="int8"``), >= 1.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is dropped.
+      replica_axis: a second mesh axis of replica groups (the DiLoCo family over
+        sharded inner steps): each replica keeps its own sharded params and
+        state (a leading replica axis on every leaf), and ``tx`` exchanges across
+        replicas itself, e.g. ``jaxcomm.diloco(optax.adamw(1e-3), every=50,
+        axis_name="replica")``: its averaging then moves each worker's shard
+        only, between the workers holding the same shard in each replica.
 
     Returns:
       An :class:`Fsdp`: ``init(params)``, ``step(state, batch)``,
@@ -397,8 +461,9 @@ def fsdp(
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size: must be an int >= 1, got {block_size!r}")
     axis_size(mesh, axis_name)
-    check_elementwise(tx)
+    if replica_axis is not None and replica_axis == axis_name:
+        raise ValueError(f"replica_axis: must differ from axis_name ({axis_name!r})")
     return Fsdp(
         loss_fn, tx, mesh, axis_name=axis_name, weights=weights, gradients=gradients,
-        block_size=block_size, has_aux=has_aux,
+        block_size=block_size, has_aux=has_aux, replica_axis=replica_axis,
     )  # fmt: skip
