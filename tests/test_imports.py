@@ -181,7 +181,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/optim/zero_one_adam.py:zero_one_adam",
     "jaxcomm/optim/zero_one_adam.py:update_fn",
     "jaxcomm/parallel/step.py:data_parallel",
-    "jaxcomm/policy/choice.py:choose",
     "jaxcomm/sync/averaging.py:local_sgd",
     "jaxcomm/sync/averaging.py:diloco",
     "jaxcomm/sync/nonfinite.py:skip_nonfinite",

@@ -280,6 +280,21 @@ def _build(cands, axis_name) -> list[optax.GradientTransformation]:
     return [c.make(axis_name) for c in cands]
 
 
+def _sure_wins(
+    rounds: dict[str, Sequence[float]] | None, margin: float, cands: Sequence[Candidate]
+) -> dict[str, float]:
+    """Each candidate's share of the rounds won over dense (``{}`` without rounds)."""
+    wins: dict[str, float] = {}
+    if rounds is not None:
+        known = wins_over_dense(rounds, margin)
+        for c in cands:
+            w = known.get(c.name, math.nan)
+            # with rounds, a candidate never compared with dense (absent, or no round shared
+            # with it) is not sure: 0, not the nan that passes
+            wins[c.name] = 0.0 if c.name != "dense" and math.isnan(w) else w
+    return wins
+
+
 def choose(
     params: Any,
     mesh: jax.sharding.Mesh,
@@ -346,14 +361,7 @@ def choose(
     reports = [accounting.wire_report(tx, zeros, n) for tx in _build(cands, axis_name)]
     wire = [sum(c.nbytes for c in rep) for rep in reports]
     dense_bytes = wire[[c.name for c in cands].index("dense")]
-    wins: dict[str, float] = {}
-    if rounds is not None:
-        known = wins_over_dense(rounds, margin)
-        for c in cands:
-            w = known.get(c.name, math.nan)
-            # with rounds, a candidate never compared with dense (absent, or no round shared
-            # with it) is not sure: 0, not the nan that passes
-            wins[c.name] = 0.0 if c.name != "dense" and math.isnan(w) else w
+    wins = _sure_wins(rounds, margin, cands)
     rows = []
     for c, b, rep in zip(cands, wire, reports):
         ratio = dense_bytes / b if b else math.inf
