@@ -1,8 +1,8 @@
 r"""Fault-tolerant DiLoCo on local processes: kill a replica, restart it, check they agree.
 
-Command (3 replicas, replica 2 SIGKILLed after its inner steps of round 2,
-restarted 1 s later; a few seconds to a minute on two CPU cores, mostly
-JAX's start-up):
+Command (3 replicas, replica 2 SIGKILLed after its inner steps of the first
+round from round 2 on that all three took part in, restarted 1 s later; a few
+seconds to a minute on two CPU cores, mostly JAX's start-up):
   python -m experiments.elastic_demo --replicas=3 --rounds=6 --kill=2@2 \
       --restart_after=1 --out=/tmp/elastic
 
@@ -22,7 +22,7 @@ A replica stops once ``--rounds`` rounds are committed and its last round
 had every expected replica in it (the survivors go on until a restarted
 replica is back). Each incarnation appends one JSON line per sync to
 ``OUT/replica_<i>.jsonl`` (committed, healed, participants, SHA-256 of the
-anchor before and the params after) and a final line; the launcher prints a
+anchor before and of the params and anchor after) and a final line; the launcher prints a
 table and writes ``OUT/summary.json``. Needs ``pip install "jaxcomm[ft]"``.
 """
 
@@ -53,14 +53,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="outer rounds to commit")
     p.add_argument("--inner_steps", type=int, default=10, help="inner steps per round (H)")
     p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
-    p.add_argument("--kill", default="", help="REPLICA@ROUND: SIGKILL it at that round")
+    p.add_argument(
+        "--kill",
+        default="",
+        help="REPLICA@ROUND: SIGKILL it at that round "
+        "(the first from ROUND on whose quorum holds every replica)",
+    )
     p.add_argument("--kill_in", choices=["inner", "allreduce"], default="inner")
     p.add_argument("--restart_after", type=float, default=-1.0, help="seconds; < 0: never")
     p.add_argument("--min_replicas", type=int, default=0, help="0: replicas - 1 with --kill")
     p.add_argument("--round_s", type=float, default=0.25, help="least wall time of a round")
     p.add_argument("--timeout_s", type=float, default=10.0, help="all-reduce/commit timeout")
     p.add_argument("--heartbeat_timeout_ms", type=int, default=1000)
-    p.add_argument("--join_timeout_ms", type=int, default=2000)
+    p.add_argument("--join_timeout_ms", type=int, default=5000)
     p.add_argument("--deadline_s", type=float, default=300.0, help="the launcher gives up")
     p.add_argument("--out", default="runs/elastic_demo")
     # a replica's own flags (set by the launcher)
@@ -130,18 +135,25 @@ def replica(args: argparse.Namespace) -> None:
         args.lighthouse,
         min_replicas=args.min_replicas,
         timeout_s=args.timeout_s,
+        quorum_timeout_s=args.deadline_s,
     )
+    out = pathlib.Path(args.out)
+    if args.incarnation == 0:  # the job starts with every replica up (a restart joins alone)
+        (out / f"ready_{args.replica}").touch()
+        while len(list(out.glob("ready_*"))) < args.replicas:
+            time.sleep(0.05)
     if args.die_at >= 0 and args.kill_in == "allreduce":
         allreduce = manager.allreduce
 
         def dying_allreduce(tensor, **kw):  # fault injection: joined the quorum, sends nothing
-            if args.die_at <= manager.current_step():
+            everyone = manager.num_participants() == args.replicas  # the quorum just formed
+            if 0 <= args.die_at <= manager.current_step() and everyone:
                 os.kill(os.getpid(), signal.SIGKILL)
             return allreduce(tensor, **kw)
 
         manager.allreduce = dying_allreduce
     loop = jaxcomm.ElasticDiLoCo(manager, params, state, fragments=args.fragments)
-    log = open(pathlib.Path(args.out) / f"replica_{args.replica}.jsonl", "a")  # noqa: SIM115
+    log = open(out / f"replica_{args.replica}.jsonl", "a")  # noqa: SIM115
 
     def record(committed, anchor_before, loss):
         line = {
@@ -153,6 +165,7 @@ def replica(args: argparse.Namespace) -> None:
             "inner_steps": loop.inner_steps,
             "anchor_before": sha256(anchor_before),
             "params_after": sha256(loop.params),
+            "anchor_after": sha256(loop.anchor),
             "loss": loss,
         }
         log.write(json.dumps(line) + "\n")
@@ -166,7 +179,8 @@ def replica(args: argparse.Namespace) -> None:
         params, state, loss = inner_steps(params, state, loop.inner_steps)
         loss = float(loss)
         time.sleep(max(0.0, args.round_s - (time.monotonic() - t0)))  # a round's compute
-        if args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds:
+        everyone = loop.participants == args.replicas  # in the last sync
+        if args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
             os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
         anchor = loop.anchor
         params, state, committed = loop.sync(params, state, steps=h)
@@ -187,13 +201,14 @@ def launch(args: argparse.Namespace) -> dict:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for f in out.glob("replica_*.jsonl"):
+    for f in [*out.glob("replica_*.jsonl"), *out.glob("ready_*")]:
         f.unlink()
     victim, die_at = (-1, -1)
     if args.kill:
         victim, die_at = (int(v) for v in args.kill.split("@"))
-        if not 0 <= victim < args.replicas:
-            raise ValueError(f"--kill: replica {victim} of {args.replicas}")
+        if not 0 <= victim < args.replicas or not 0 <= die_at < args.rounds:
+            raise ValueError(f"--kill: replica {victim} of {args.replicas}, round {die_at} "
+                             f"before --rounds={args.rounds}")  # fmt: skip
     restart = victim >= 0 and args.restart_after >= 0
     min_replicas = args.min_replicas or (args.replicas - (victim >= 0))
     finish_with = args.replicas - (victim >= 0 and not restart)
@@ -212,6 +227,7 @@ def launch(args: argparse.Namespace) -> dict:
                f"--finish_with={finish_with}", f"--min_replicas={min_replicas}",
                f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
                f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",
+               f"--replicas={args.replicas}", f"--deadline_s={args.deadline_s}",
                f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}"]  # fmt: skip
         return subprocess.Popen(cmd, env=env)
 

@@ -264,14 +264,18 @@ def test_replica_killed_in_allreduce_rolls_the_round_back(tmp_path):
     assert codes == {0: [0], 1: [0], 2: [-9]}
     assert reps[2]["final"] is None
     assert reps[0]["final"]["params"] == reps[1]["final"]["params"]
+    lost = {}
     for i in (0, 1):
         syncs = reps[i]["syncs"]
         failed = [j for j, s in enumerate(syncs) if not s["committed"]]
         assert failed, f"replica {i}: no round rolled back"
         j = failed[0]
-        lost, after = syncs[j], syncs[j + 1]
-        assert lost["participants"] == 3 and lost["round"] == syncs[j - 1]["round"]
-        assert lost["params_after"] == lost["anchor_before"]  # back to the anchor
-        assert lost["params_after"] == syncs[j - 1]["params_after"]
+        lost[i], after = syncs[j], syncs[j + 1]
+        assert lost[i]["participants"] == 3  # replica 2 was in the round's quorum
+        assert lost[i]["params_after"] == lost[i]["anchor_after"]  # back to the anchor
+        # the anchor untouched by the failed round (a replica healing in it took a peer's)
+        assert lost[i]["anchor_after"] == lost[i]["anchor_before"] or lost[i]["healed"]
         assert after["committed"] and after["participants"] == 2
-        assert after["anchor_before"] == lost["anchor_before"]
+        assert after["anchor_before"] == lost[i]["anchor_after"]
+    assert lost[0]["params_after"] == lost[1]["params_after"]
+    assert not (lost[0]["healed"] and lost[1]["healed"])
