@@ -371,3 +371,25 @@ def test_diloco_over_fsdp_inner_steps_on_a_replica_by_data_mesh(mesh):
     report = trainer.wire_report(state, make_batch())
     assert [c.kind for c in report if c.axis == "replica"] == ["all_reduce"]
     assert [c.nbytes for c in report if c.axis == "replica"] == [4 * trainer.chunk]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_two_devices_in_one_process(tmp_path):
+    """2 real processes (gloo) x 1 device == 1 process x 2 devices, dense and int8 both ways,
+    bit for bit (both launched alike, so XLA compiles both with the same flags)."""
+    from tests.test_distributed import launch
+
+    out = {}
+    for procs, devs in ((2, 1), (1, 2)):
+        path = tmp_path / f"p{procs}.npz"
+        run = launch(procs, devs, "-m", "tests.mp_fsdp", str(path))
+        assert run.returncode == 0, run.stdout + run.stderr
+        out[procs] = np.load(path)
+        assert int(out[procs]["processes"]) == procs
+    for k in ("dense_params", "dense_losses", "int8_params", "int8_losses"):
+        np.testing.assert_array_equal(out[2][k], out[1][k], err_msg=k)
+    from tests import mp_fsdp
+
+    init = np.concatenate([v.ravel() for v in jax.tree.leaves(mp_fsdp.init_params())])
+    assert np.abs(out[2]["dense_params"][: init.size] - init).max() > 1e-3  # it trained
+    assert not np.array_equal(out[2]["int8_params"], out[2]["dense_params"])
