@@ -40,7 +40,9 @@ What a lost replica costs:
     commits; nothing is lost but the dead replica's work;
   * killed inside the outer all-reduce: the survivors' all-reduce fails,
     ``should_commit`` is False everywhere, each rolls back to its last anchor
-    (that round's inner steps are lost) and the next round goes on without it;
+    (that round's inner steps are lost) and the next round goes on without it
+    (``should_commit`` is decided per replica: one whose all-reduce happened to
+    finish commits, and a peer that rolled back heals from it at the next quorum);
   * restarted: it builds a fresh ``ElasticDiLoCo`` and calls :meth:`join`
     (a sync with no inner steps); at the quorum it is behind, so it loads
     params, inner optimizer state, anchor, outer state and step counters from
@@ -319,6 +321,11 @@ class ElasticDiLoCo:
         torch = self._torch
         from torch.distributed import ReduceOp
 
+        if jax.tree.structure(params) != jax.tree.structure(self._anchor):
+            raise ValueError(
+                f"params: structure {jax.tree.structure(params)} is not the initial params' "
+                f"{jax.tree.structure(self._anchor)}"
+            )
         self.inner_steps += checks.check_int(steps, "steps", 0)
         # what a healing peer is sent, if the quorum asks for it
         self._params, self._inner_state = params, inner_state

@@ -219,6 +219,21 @@ def test_loop_state_dict_round_trip_bit_exact(lighthouse):
     assert any(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(source.outer_state))
 
 
+def test_refusals_name_the_argument(lighthouse):
+    def body(i, manager):
+        with pytest.raises(TypeError, match="params: leaf 0 has dtype int32"):
+            jaxcomm.ElasticDiLoCo(manager, {"n": jnp.zeros(2, jnp.int32)}, ())
+        with pytest.raises(ValueError, match="fragments"):
+            jaxcomm.ElasticDiLoCo(manager, PARAMS, (), fragments=0)
+        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, ())
+        with pytest.raises(ValueError, match="params: structure"):
+            loop.sync({"w": PARAMS["w"]}, (), steps=1)
+        with pytest.raises(ValueError, match="manager: DiLoCo needs a synchronous quorum"):
+            jaxcomm.ElasticDiLoCo(object(), PARAMS, ())
+
+    _replicas(lighthouse(1), 1, body)
+
+
 def test_missing_torchft_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ImportError, match=r'pip install "jaxcomm\[ft\]"'):
