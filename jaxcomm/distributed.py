@@ -220,6 +220,26 @@ def _agree(num_processes: int, process_id: int, local_devices: int, timeout_s: f
         )
 
 
+def _check_settings(
+    coordinator_address: Any, num_processes: Any, process_id: Any, cpu_collectives: Any, source: str
+) -> None:
+    """Raise ``ValueError`` naming the first malformed setting (and where it came from)."""
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes: expected an int >= 1, got {num_processes!r} ({source})")
+    if process_id is None or not 0 <= process_id < num_processes:
+        raise ValueError(
+            f"process_id: expected an int in [0, {num_processes - 1}] for "
+            f"num_processes={num_processes}, got {process_id!r} ({source})"
+        )
+    if coordinator_address is None:
+        raise ValueError(
+            f"coordinator_address: required for {num_processes} processes; pass it or set "
+            f"{ENV_COORDINATOR}=host:port (the address of process 0)"
+        )
+    if cpu_collectives not in ("gloo", "mpi"):
+        raise ValueError(f"cpu_collectives: expected 'gloo' or 'mpi', got {cpu_collectives!r}")
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
@@ -268,20 +288,7 @@ def initialize(
     )
     if num_processes is None or num_processes == 1:
         return process_info()
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes: expected an int >= 1, got {num_processes!r} ({source})")
-    if process_id is None or not 0 <= process_id < num_processes:
-        raise ValueError(
-            f"process_id: expected an int in [0, {num_processes - 1}] for "
-            f"num_processes={num_processes}, got {process_id!r} ({source})"
-        )
-    if coordinator_address is None:
-        raise ValueError(
-            f"coordinator_address: required for {num_processes} processes; pass it or set "
-            f"{ENV_COORDINATOR}=host:port (the address of process 0)"
-        )
-    if cpu_collectives not in ("gloo", "mpi"):
-        raise ValueError(f"cpu_collectives: expected 'gloo' or 'mpi', got {cpu_collectives!r}")
+    _check_settings(coordinator_address, num_processes, process_id, cpu_collectives, source)
     host, port = _split_address(coordinator_address)
     deadline = time.monotonic() + timeout_s
     _preflight(host, port, process_id, deadline)

@@ -171,7 +171,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/compressors/powersgd.py:powersgd",
     "jaxcomm/compressors/selection.py:strided_best",
     "jaxcomm/core.py:compress",
-    "jaxcomm/distributed.py:initialize",
     "jaxcomm/exchange.py:hierarchical",
     "jaxcomm/exchange.py:two_phase",
     "jaxcomm/flax.py:data_parallel",
