@@ -182,7 +182,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/parallel/step.py:data_parallel",
     "jaxcomm/sync/averaging.py:local_sgd",
     "jaxcomm/sync/averaging.py:diloco",
-    "jaxcomm/sync/nonfinite.py:skip_nonfinite",
 }
 
 

@@ -27,6 +27,20 @@ class SkipNonfiniteState(NamedTuple):
     last_finite: jax.Array
 
 
+def _all_finite(updates: Any, axis_name: AxisName | None) -> jax.Array:
+    """bool ``[]``: whether every float leaf of ``updates`` is finite (True with none), agreed
+    over ``axis_name`` (one 4-byte all-reduce) when it is given."""
+    leaves = [u for u in jax.tree.leaves(updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
+    finite = (
+        jnp.all(jnp.stack([jnp.isfinite(jnp.sum(u * 0)) for u in leaves]))
+        if leaves
+        else jnp.ones((), jnp.bool_)
+    )
+    if axis_name is not None:
+        finite = exchange.agree((~finite).astype(jnp.int32), axis_name) == 0
+    return finite
+
+
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     *,
@@ -88,14 +102,7 @@ def skip_nonfinite(
     def update_fn(updates, state, params=None):
         checks.check_state(state, SkipNonfiniteState, "skip_nonfinite")
         new_updates, new_inner = inner.update(updates, state.inner_state, params)
-        leaves = [u for u in jax.tree.leaves(new_updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
-        finite = (
-            jnp.all(jnp.stack([jnp.isfinite(jnp.sum(u * 0)) for u in leaves]))
-            if leaves
-            else jnp.ones((), jnp.bool_)
-        )
-        if axis_name is not None:
-            finite = exchange.agree((~finite).astype(jnp.int32), axis_name) == 0
+        finite = _all_finite(new_updates, axis_name)
         apply = finite
         if max_consecutive_errors is not None:
             apply = apply | (state.notfinite_count >= max_consecutive_errors)
