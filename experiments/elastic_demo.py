@@ -221,11 +221,14 @@ def launch(args: argparse.Namespace) -> dict:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     )
     env = {**os.environ, **CHILD_ENV}
+    # the replicas are local: reach the lighthouse at localhost (it names the machine's
+    # hostname, which a container may not resolve)
+    address = "http://localhost:" + lighthouse.address().rsplit(":", 1)[1]
 
     def start(i: int, incarnation: int, die: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "experiments.elastic_demo", "--role=replica",
                f"--replica={i}", f"--incarnation={incarnation}", f"--die_at={die}",
-               f"--lighthouse={lighthouse.address()}", f"--out={out}",
+               f"--lighthouse={address}", f"--out={out}",
                f"--finish_with={finish_with}", f"--min_replicas={min_replicas}",
                f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
                f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",

@@ -45,7 +45,7 @@ def lighthouse():
             heartbeat_timeout_ms=2000,
         )  # fmt: skip
         started.append(server)
-        return server.address()
+        return "http://localhost:" + server.address().rsplit(":", 1)[1]
 
     started = []
     yield start
