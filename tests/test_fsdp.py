@@ -393,3 +393,28 @@ def test_two_processes_equal_two_devices_in_one_process(tmp_path):
     init = np.concatenate([v.ravel() for v in jax.tree.leaves(mp_fsdp.init_params())])
     assert np.abs(out[2]["dense_params"][: init.size] - init).max() > 1e-3  # it trained
     assert not np.array_equal(out[2]["int8_params"], out[2]["dense_params"])
+
+
+@pytest.mark.slow
+def test_the_lm_bench_rows_on_two_devices():
+    """experiments/bench/fsdp.py's rows on the LM study's GPT (875,520 parameters), 2 fake
+    devices, one step each: memory halves, the compressed row moves <= 0.3x fsdp's bytes."""
+    from experiments.bench import fsdp as bench
+
+    mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    params, loss, batch = bench.setup(2)
+    rows = {
+        v: bench.row(v, mesh2, params, loss, batch, steps=1, warmup=0)
+        for v in ("replicated", "fsdp", "fsdp_q8w_q8g")
+    }
+    d = 875_520
+    assert rows["replicated"]["params"] == 4 * d and rows["fsdp"]["params"] == 4 * d // 2
+    # AdamW's mu and nu shards + two int32 counts (Adam's and the schedule's)
+    assert rows["fsdp"]["opt_state"] == 2 * 4 * d // 2 + 8
+    # fsdp dense: weights all-gather (4 d / 2) + reduce-scatter operand (4 d) + the loss (4)
+    assert rows["fsdp"]["bytes_per_step"] == 4 * d // 2 + 4 * d + 4
+    assert rows["fsdp_q8w_q8g"]["bytes_per_step"] <= 0.3 * rows["fsdp"]["bytes_per_step"]
+    md = bench.markdown(
+        {"processes": 2, "links": [{"rate": "loopback", "rows": list(rows.values())}]}
+    )
+    assert "| loopback | fsdp_q8w_q8g |" in md
