@@ -60,8 +60,6 @@ compiled HLO's in the tests); :meth:`Fsdp.memory` reads each worker's bytes
 of parameters and optimizer state from the arrays' shardings.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
