@@ -167,3 +167,53 @@ def test_batches_equal_harness():
             np.testing.assert_array_equal(x.numpy(), np.asarray(bx))
             np.testing.assert_array_equal(y.numpy(), np.asarray(by))
     assert not np.array_equal(starts[0], starts[1])  # steps (and workers) differ
+
+
+def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path):
+    """experiments.bench.torch_lm_train on 2 processes (gloo), 4 steps, dense and PowerSGD:
+    rows in the JAX harness's format; dense DDP's model after 4 steps equals AdamW on the
+    mean of the two ranks' gradients computed here (each rank's windows as the harness
+    draws them); bytes: dense 4 D a step, PowerSGD fewer."""
+    import json
+
+    from experiments.bench import torch_lm_train
+    from experiments.studies import lm
+    from tests.test_distributed import launch
+
+    rows = {}
+    for hook in ("none", "powersgd"):
+        work = tmp_path / hook
+        run = launch(2, 1, "-m", "experiments.bench.torch_lm_train", f"--hook={hook}",
+                     f"--workdir={work}", "--stop_after=4", "--eval_every=2")  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        rows[hook] = [json.loads(line) for line in open(work / "metrics.jsonl")]
+        assert [r["step"] for r in rows[hook]] == [2, 4]
+        assert all(set(lm.KEEP) <= set(r) for r in rows[hook])
+    d = STUDY_PARAMS
+    assert [r["wire_bytes"] for r in rows["none"]] == [2 * 4 * d, 4 * 4 * d]
+    # PowerSGD: 2 dense steps first (start_powerSGD_iter=2), then rank-4 factors: steps 3-4
+    psgd = [r["wire_bytes"] for r in rows["powersgd"]]
+    assert psgd[0] == 2 * 4 * d and 0 < psgd[1] - psgd[0] < 0.2 * 2 * 4 * d
+    # the reference: one process, both ranks' gradients averaged
+    config = lm_shakespeare.get_config("dense")
+    ds = data.shakespeare(2, seq_len=config.data.seq_len, test_windows=config.data.test_windows)
+    torch.manual_seed(0)
+    model = torch_lm.from_config(config)
+    opt, sched = torch_lm.adamw(model, config)
+    streams = [np.asarray(ds.x_train[r]) for r in range(2)]
+    seq, per = config.data.seq_len, config.data.batch_size
+    starts = [torch_lm.batch_starts(0, r, range(4), len(streams[r]), per, seq) for r in range(2)]
+    for step in range(4):
+        grads = []
+        for r in range(2):
+            model.zero_grad()
+            x, y = torch_lm.windows(streams[r], starts[r][step], seq)
+            torch_lm.lm_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        opt.step()
+        sched.step()
+    want = torch_lm_train.evaluate(model, ds.x_test)
+    assert rows["none"][-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+    assert rows["none"][-1]["eval_loss"] < rows["none"][0]["eval_loss"]

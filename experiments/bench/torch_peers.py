@@ -282,7 +282,7 @@ def hook_group_worker(spec_path: str, rank: int) -> None:
             hs.p_memory_dict[0] = torch.zeros(total_p)
             hs.q_memory_dict[0] = q_buf.clone()
         bucket = HookBucket(worker_grads(shapes, t, spec["grads_of"][rank], spec["seed"]))
-        with _ByteCounter() as counter:
+        with ByteCounter() as counter:
             out = ph.powerSGD_hook(hs, bucket).wait()
         out = out[0] if isinstance(out, list) else out
         outputs.append(out.numpy().copy())
@@ -308,7 +308,7 @@ def hook_group_worker(spec_path: str, rank: int) -> None:
 # --- the DDP worker ---------------------------------------------------------------------
 
 
-class _ByteCounter:
+class ByteCounter:
     """Counts the bytes of every tensor handed to ``dist.all_reduce`` (what the hooks send)."""
 
     def __init__(self):
@@ -327,7 +327,7 @@ class _ByteCounter:
         self.dist.all_reduce = self.orig
 
 
-def _init_env() -> tuple[int, int]:
+def init_env() -> tuple[int, int]:
     if "MASTER_ADDR" not in os.environ:  # started by experiments.launch: reuse its variables
         host, port = os.environ["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
@@ -337,7 +337,7 @@ def _init_env() -> tuple[int, int]:
 
 
 def run_worker(model_name: str, configs: list[str], batch_size: int, warmup: int, reps: int):
-    rank, world = _init_env()
+    rank, world = init_env()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     x, y = batch(model_name, rank, batch_size)
@@ -377,7 +377,7 @@ def run_worker(model_name: str, configs: list[str], batch_size: int, warmup: int
                 warm_start=True,
             )
             ddp.register_comm_hook(state, ph.powerSGD_hook)
-        counter = _ByteCounter()
+        counter = ByteCounter()
         with counter:
             res = _time_steps(ddp, xt, yt, warmup, reps, dist, counter)
         # the default path all-reduces the fp32 buckets inside the reducer (no hook to count)
@@ -419,7 +419,7 @@ def _time_steps(net, xt, yt, warmup: int, reps: int, dist, counter=None) -> dict
 def time_collectives(d: int, reps: int) -> dict:
     """Median seconds of ``dist.all_reduce`` of d entries: fp32, fp16 (as the fp16 hook sends:
     g/n in float16) and uint8 (the same bytes, integer sum: the wire without fp16 arithmetic)."""
-    rank, world = _init_env()
+    rank, world = init_env()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     g = torch.from_numpy(np.random.default_rng(rank).normal(size=d).astype(np.float32))

@@ -26,6 +26,11 @@ on the same training split and scored on the same windows
 (:mod:`experiments.studies.ngram`): the lines a model must pass to have
 learned more than n-gram statistics.
 
+The PyTorch peers (``TORCH``: DDP dense, with the fp16 hook, with the PowerSGD
+hook at jaxcomm's rank) run as methods of the study, through the same phases
+and verdict rules (:mod:`experiments.bench.torch_lm_train`; torch is the
+``peers`` extra).
+
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
 ``tc ... tbf``) every method is probed ``--probes`` times (separate launches,
@@ -62,9 +67,12 @@ from experiments.studies import lm_figure, ngram, report, runs
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
+#: What a PyTorch user would run instead, on the same model, data, AdamW and schedule
+#: (:mod:`experiments.bench.torch_lm_train`): method -> DDP communication hook.
+TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd"}
 METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
            "diloco_h1", "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
-           "muon", "demo", "demo_full"]  # fmt: skip
+           "muon", "demo", "demo_full", *TORCH]  # fmt: skip
 
 
 def define_flags() -> None:
@@ -113,7 +121,7 @@ def workload() -> dict:
 
 def sync_period(method: str) -> int:
     """Inner steps between a method's exchanges (1 for every-step methods)."""
-    wrapper = lm_shakespeare.VARIANTS[method].get("wrapper")
+    wrapper = lm_shakespeare.VARIANTS.get(method, {}).get("wrapper")  # TORCH: every step
     return int(wrapper[1]) if wrapper else 1
 
 
@@ -123,6 +131,14 @@ def training_argv(
 ) -> list[str]:  # fmt: skip
     """The launched command of one run of the study (``stop``: steps to run, 0 all;
     ``per_call``: a probe's steps per call, evaluated after each; 0: the config's)."""
+    if method in TORCH:  # the PyTorch DDP twin: one rank a process, the same schedule
+        return [
+            sys.executable, "-m", "experiments.launch", f"--processes={n}",
+            "--devices_per_process=1", *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
+            sys.executable, "-m", "experiments.bench.torch_lm_train", f"--hook={TORCH[method]}",
+            f"--workdir={workdir}", f"--seed={seed}", f"--steps={steps}", f"--stop_after={stop}",
+            *([f"--eval_every={per_call}"] if per_call else []),
+        ]  # fmt: skip
     return [
         sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
         *([] if rate == "loopback" else [f"--rate={rate}"]), "--",

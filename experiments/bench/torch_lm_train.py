@@ -1,0 +1,162 @@
+r"""The LM study's run in PyTorch DDP: the GPT twin, dense or with a comm hook, one process a rank.
+
+What a PyTorch user would run instead of jaxcomm on the LM study's workload
+(:mod:`experiments.configs.lm_shakespeare`): the twin model, AdamW and
+schedule of :mod:`experiments.bench.torch_lm`, each rank drawing the same byte
+windows as the JAX harness's worker of that index, under
+``torch.nn.parallel.DistributedDataParallel`` on gloo, with
+``--hook``:
+
+- ``none``: DDP's own fp32 all-reduce of its buckets;
+- ``fp16``: ``fp16_compress_hook`` (the buckets sent as float16);
+- ``powersgd``: ``PowerSGDState`` + ``powerSGD_hook`` at jaxcomm's setting
+  (rank ``--rank``, error feedback, warm start, ``start_powerSGD_iter=2``
+  — torch needs >= 2 with error feedback — and min compression rate 2;
+  1-D tensors go uncompressed, as with jaxcomm's ``policy="matrices"``);
+  one bucket (torch's hook fails on gloo with more than one).
+
+It writes ``metrics.jsonl`` in the JAX harness's row format (``step``,
+``loss``, ``eval_loss`` and its standard error over windows, ``accuracy``,
+``train_s``: seconds of training steps, evaluations excluded, ``wire_bytes``:
+the bytes this rank handed to ``all_reduce`` so far), every ``--eval_every``
+steps, so the LM study (:mod:`experiments.studies.lm`) runs, probes and
+judges these runs as it does its own methods. Rank 0 evaluates (the others
+wait at the next step's all-reduce, as the JAX harness's do).
+
+Command (2 processes; ``experiments.launch`` sets the rendezvous)::
+
+  python -m experiments.launch --processes=2 -- python -m experiments.bench.torch_lm_train \
+      --hook=powersgd --workdir=runs/torch_psgd
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from absl import app, flags
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from experiments import data as data_lib
+from experiments.bench import torch_lm
+from experiments.bench.torch_peers import ByteCounter, init_env
+from experiments.configs import lm_shakespeare
+
+FLAGS = flags.FLAGS
+HOOKS = ("none", "fp16", "powersgd")
+
+
+def define_flags() -> None:
+    flags.DEFINE_enum("hook", "none", HOOKS, "DDP communication hook")
+    flags.DEFINE_integer("rank", 4, "PowerSGD's rank (jaxcomm's LM variant: 4)")
+    flags.DEFINE_string("workdir", None, "where metrics.jsonl is written")
+    flags.DEFINE_integer(
+        "seed", 0, "the run's seed (model init: torch's own stream; data: the harness's)"
+    )
+    flags.DEFINE_integer("steps", 0, "the schedule's steps (0: the config's)")
+    flags.DEFINE_integer(
+        "stop_after", 0, "stop after this many steps of the same schedule (0: all)"
+    )
+    flags.DEFINE_integer("eval_every", 0, "steps between evaluations (0: the config's)")
+
+
+def evaluate(model: torch.nn.Module, test: np.ndarray, batch_size: int = 128) -> dict:
+    """The harness's evaluation: mean loss over windows with its standard error, accuracy."""
+    losses, correct, count = [], 0, 0
+    with torch.no_grad():
+        for i in range(0, len(test), batch_size):
+            w = torch.from_numpy(np.asarray(test[i : i + batch_size], np.int64))
+            logits = model(w[:, :-1])
+            per = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none"
+            )
+            losses.extend(per.reshape(len(w), -1).mean(1).tolist())
+            correct += int((logits.argmax(-1) == w[:, 1:]).sum())
+            count += w[:, 1:].numel()
+    losses = np.asarray(losses)
+    return {
+        "eval_loss": float(losses.mean()),
+        "eval_loss_se": float(losses.std(ddof=1) / np.sqrt(len(losses))),
+        "accuracy": correct / count,
+    }
+
+
+def wrap(model: torch.nn.Module, hook: str, rank: int) -> DDP:
+    if hook == "powersgd":
+        ddp = DDP(model, bucket_cap_mb=1000)
+        state = ph.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+            min_compression_rate=2.0, use_error_feedback=True, warm_start=True,
+        )  # fmt: skip
+        ddp.register_comm_hook(state, ph.powerSGD_hook)
+        return ddp
+    ddp = DDP(model)
+    if hook == "fp16":
+        ddp.register_comm_hook(None, dh.fp16_compress_hook)
+    return ddp
+
+
+def main(argv) -> None:
+    del argv
+    rank, world = init_env()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    config = lm_shakespeare.get_config("dense")
+    if FLAGS.steps:
+        config.num_train_steps = FLAGS.steps
+    total = config.num_train_steps
+    stop = FLAGS.stop_after or total
+    every = FLAGS.eval_every or config.eval_every
+    ds = data_lib.shakespeare(
+        world, seq_len=config.data.seq_len, test_windows=config.data.test_windows
+    )
+    stream = np.asarray(ds.x_train[rank])
+    seq, per = config.data.seq_len, config.data.batch_size
+    starts = torch_lm.batch_starts(FLAGS.seed, rank, range(stop), len(stream), per, seq)
+    torch.manual_seed(FLAGS.seed)
+    model = torch_lm.from_config(config)
+    ddp = wrap(model, FLAGS.hook, FLAGS.rank)
+    opt, sched = torch_lm.adamw(model, config)
+    os.makedirs(FLAGS.workdir, exist_ok=True)
+    path = os.path.join(FLAGS.workdir, "metrics.jsonl")
+    if rank == 0:
+        open(path, "w").close()
+    counter, train_s, losses, t0 = ByteCounter(), 0.0, [], time.perf_counter()
+    with counter:
+        for step in range(stop):
+            t = time.perf_counter()
+            x, y = torch_lm.windows(stream, starts[step], seq)
+            loss = torch_lm.lm_loss(ddp(x), y)
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            loss = loss.detach()
+            opt.step()
+            sched.step()
+            train_s += time.perf_counter() - t
+            losses.append(loss.item())
+            done = step + 1
+            if rank == 0 and (done % every == 0 or done == stop):
+                sent = (
+                    counter.bytes
+                    if FLAGS.hook != "none"
+                    else 4 * done * sum(p.numel() for p in model.parameters())
+                )
+                row = {"step": done, "loss": float(np.mean(losses)), **evaluate(model, ds.x_test),
+                       "train_s": train_s, "wire_bytes": int(sent), "processes": world,
+                       "wall_s": time.perf_counter() - t0}  # fmt: skip
+                losses = []
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    define_flags()
+    flags.mark_flag_as_required("workdir")
+    app.run(main)
