@@ -498,6 +498,18 @@ params sharded `P("data")` on their first dimension: all-gather the shard,
 take the local gradient, and the transform hands back the gradient of the
 shard (tested against `lax.psum_scatter`).
 
+`jaxcomm.fsdp(loss_fn, tx, mesh, weights=..., gradients=...)` does all of
+that for you: parameters and optimizer state sharded as one flat vector
+(1/n per worker), the weights all-gathered as float32, bfloat16 or int8
+with block scales (ZeRO++'s qwZ), the gradient reduce-scattered densely or
+through a transform built with `exchange="reduce_scatter"` (e.g. int8 with
+error feedback, qgZ-like); `replica_axis` runs the DiLoCo family across
+replica groups whose inner steps are sharded. Its module docstring
+(`jaxcomm.parallel.fsdp`) gives the layout, the bytes and what it refuses
+(optimizers that reduce over the parameters); `tests/test_fsdp.py` holds it
+bit-equal to a hand-written `shard_map` FSDP step, on 8 devices and on 2
+processes.
+
 # 1-bit Adam
 
 `jaxcomm.onebit_adam(learning_rate, b1=0.9, b2=0.999, eps=1e-8,
@@ -875,6 +887,19 @@ same global data, 2 processes × 2 devices and 1 × 4 give bit-identical
 params for top-k (payloads decoded in worker order everywhere) and params
 equal to float32 rounding for dense all-reduce and PowerSGD (gloo and XLA
 sum in different orders).
+
+**Surviving a lost replica** (the DiLoCo family, `jaxcomm.ElasticDiLoCo`,
+the `ft` extra: torch and torchft). Each replica group is its own JAX
+program; only the outer exchange goes through torchft's Manager and its
+gloo process group, which re-forms the quorum every round. A replica killed
+between syncs is dropped and the survivors commit the next round without
+it; killed inside the outer all-reduce, the survivors' round is rolled back
+(params return to the last anchor, never half-applied); a restarted replica
+heals from a live peer (params, inner and outer optimizer state, anchor) and
+is bit-equal to them from then on. JAX's own fault tolerance on CPU cannot
+heal a restarted process or survive losing process 0, hence torchft (its
+module docstring says more). `python -m experiments.elastic_demo` runs it
+with a kill and a restart; `tests/test_elastic.py` tests both kinds of kill.
 
 ## Time to accuracy on shaped links (`experiments/studies/netstudy.py`)
 
