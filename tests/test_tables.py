@@ -29,8 +29,13 @@ def edit_one_number(body: str) -> str:
     return body.replace(row, row[: num.start()] + edited + row[num.end() :], 1)
 
 
-def test_the_lm_study_table_is_a_generated_block_of_the_readme():
-    assert "lm_study" in blocks(readme())
+def test_the_readme_keeps_the_headlines_and_links_every_study_file():
+    """The study tables live in experiments/results/*.md; the README has one generated block
+    (the headline few) and a link to each study file."""
+    text = readme()
+    assert set(blocks(text)) == {"headlines"}
+    for fname, _, _ in tables.DOCUMENTS.values():
+        assert f"](experiments/results/{fname})" in text, fname
 
 
 def test_every_generated_block_and_study_file_equals_its_json():
@@ -40,10 +45,10 @@ def test_every_generated_block_and_study_file_equals_its_json():
 
 def test_editing_one_number_of_the_readme_fails_the_check():
     text = readme()
-    m = blocks(text)["lm_study"]
+    m = blocks(text)["headlines"]
     edited = text[: m.start(3)] + edit_one_number(m.group(3)) + text[m.end(3) :]
     assert edited != text
-    assert tables.mismatches(edited) == ["lm_study"]
+    assert tables.mismatches(edited) == ["headlines"]
     assert tables.mismatches(tables.regenerate(edited)) == []
 
 

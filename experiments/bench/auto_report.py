@@ -4,8 +4,8 @@ Split from :mod:`experiments.bench.auto` (which runs the cells and writes the
 JSON): per model and link, auto's step and time to target beside dense's and
 the best fixed method's, advise's predicted step against the measured one,
 and the LM's time to target under auto's replayed choice beside the LM
-study's methods. ``experiments.studies.tables`` renders ``auto.md`` and the
-README block from :func:`report`.
+study's methods. ``experiments.studies.tables`` renders ``auto.md`` from
+:func:`report`, and the README's headline from :func:`rows_step` and :func:`rows_prediction`.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def _trio(values: dict, fmt: str) -> str:
 
 
 def report(results: dict) -> str:
-    """The markdown tables of the results (README block and ``auto.md``, via studies.tables)."""
+    """The markdown tables of the results (``auto.md``, via studies.tables)."""
     steps = rows_step(results)
     repeated = sorted({r["runs"] for r in steps if r["runs"] > 1})
     lines = [

@@ -329,7 +329,7 @@ if __name__ == "__main__":
 
 
 def report(result: dict) -> str:
-    """Markdown tables of an ``overlap.json`` (the README block and ``overlap.md``)."""
+    """Markdown tables of an ``overlap.json`` (``overlap.md``, via studies.tables)."""
     cfg, st = result["config"], result["streaming"]
     ms = lambda s: "—" if s is None else f"{s * 1e3:.0f}"
     rows = [

@@ -3,7 +3,7 @@
 Split from :mod:`experiments.bench.step_parts` (which times the steps):
 per link, each method's median step and its parts (codec, collectives,
 the rest) in ms per step. ``experiments.studies.tables`` renders
-``step_parts.md`` and the README block from :func:`report`.
+``step_parts.md`` from :func:`report`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-r"""README tables generated from results JSON, and the check that they still match.
+r"""Study tables generated from results JSON, and the check that they still match.
 
-A generated block in ``README.md`` sits between two markers naming its source:
+Each study's tables are written as markdown beside its JSON (:data:`DOCUMENTS`, e.g.
+``experiments/results/lm_study.md``). The README keeps only the headline few, in a
+generated block that sits between two markers naming its renderer:
 
-    <!-- generated: lm_study -->
+    <!-- generated: headlines -->
     ... (written by this module; do not edit by hand) ...
-    <!-- /generated: lm_study -->
-
-Each study's tables are also written as markdown beside its JSON
-(:data:`DOCUMENTS`, e.g. ``experiments/results/lm_study.md``), generated the same way.
+    <!-- /generated: headlines -->
 
 Commands:
   python -m experiments.studies.tables            # rewrite every block and study file
@@ -47,7 +46,7 @@ def _load(name: str) -> dict:
 
 
 def _lm_study() -> str:
-    return report.lm_markdown(_load("lm_study.json"), step_times=False)
+    return report.lm_markdown(_load("lm_study.json"))
 
 
 def _netstudy() -> str:
@@ -78,11 +77,78 @@ def _step_parts() -> str:
     return step_parts_report.report(_load("step_parts.json"))
 
 
+def _link(name: str) -> str:
+    fname = DOCUMENTS[name][0]
+    return f"[`{fname}`](experiments/results/{fname})"
+
+
+def _auto_headline() -> list[str]:
+    results = _load("auto.json")
+    steps = auto_report.rows_step(results)
+    rates = [r for r in auto_report.RATES if any(s["rate"] == r for s in steps)]
+    lines = [
+        f"`jaxcomm.auto` ({_link('auto')}), 2 processes on shaped links: its choice per "
+        "model and link, and its step time over dense's (where it keeps dense it runs "
+        "dense's program):",
+        "",
+        "| model | " + " | ".join(rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for model in dict.fromkeys(s["model"] for s in steps):
+        by = {s["rate"]: s for s in steps if s["model"] == model}
+        cells = [
+            "—" if r not in by
+            else by[r]["choice"] if by[r]["choice"] == "dense"
+            else f"{by[r]['choice']}, {by[r]['auto_vs_dense']:.2f}×"
+            for r in rates
+        ]  # fmt: skip
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    pred = auto_report.rows_prediction(results)
+    within = sum(abs(p["ratio"] - 1) <= 0.2 for p in pred)
+    lines += [
+        "",
+        f"- `experiments.advise`'s predicted step is within 20% of the measured one in "
+        f"{within} of {len(pred)} cells (dense's and auto's).",
+    ]
+    return lines
+
+
+def _overlap_headline() -> list[str]:
+    result = _load("overlap.json")
+    o = result["streaming"]["overlap"]
+    return [
+        f"- Streaming DiLoCo beside its exchange ({_link('overlap')}), 2 processes at "
+        f"{result['config']['rate']}: with `loco.Overlap` a step with a fragment in flight "
+        f"takes {o['step_ratio']:.2f}× the step with no exchange, and a sync period "
+        f"{o['period_ratio']:.2f}× the larger of the steps and the exchange (the bar: 1.15×, "
+        f"1.1×): **{'met' if o['overlaps'] else 'not met'}**.",
+    ]
+
+
+def _accelerator_headline() -> list[str]:
+    results = _load("accelerator.json")
+    agree = results.get("agree", [])
+    outcomes = [r.get("outcome") for r in agree]
+    other = sorted({o for o in outcomes if o != "passed"})
+    rest = "".join(f", {outcomes.count(o)} {o}" for o in other)
+    return [
+        f"- On one {results['device']} ({_link('accelerator')}): every transform against "
+        f"the CPU, {len(agree)} cases, {outcomes.count('passed')} passed{rest}; and each "
+        "codec's cost on GPT-2 shapes.",
+    ]
+
+
+def _headlines() -> str:
+    """The README's few headline results, each linking the study file with its tables."""
+    return "\n".join(_auto_headline() + _overlap_headline() + _accelerator_headline())
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "accelerator": _accelerator,
     "auto": _auto,
     "buckets": _buckets,
     "floor": _floor,
+    "headlines": _headlines,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
     "overlap": _overlap,
@@ -115,14 +181,6 @@ def render(name: str) -> str:
     return RENDERERS[name]().rstrip("\n") + "\n"
 
 
-def _lm_study_full() -> str:
-    return report.lm_markdown(_load("lm_study.json"))
-
-
-# A study file that holds more than its README block (which points to it).
-FULL: dict[str, Callable[[], str]] = {"lm_study": _lm_study_full}
-
-
 def document(name: str) -> str:
     """The full markdown file of study ``name``: a header, the JSON's note, the tables."""
     _, source, title = DOCUMENTS[name]
@@ -131,8 +189,7 @@ def document(name: str) -> str:
         f"# {title}\n\nGenerated from `{source}` by `python -m experiments.studies.tables`; "
         "do not edit.\n\n"
     )
-    body = FULL[name]().rstrip("\n") + "\n" if name in FULL else render(name)
-    return head + (note.strip() + "\n\n" if note else "") + body
+    return head + (note.strip() + "\n\n" if note else "") + render(name)
 
 
 def stale_documents() -> list[str]:
