@@ -128,7 +128,7 @@ def test_report_flags_a_probe_whose_trajectory_differs():
 
 
 def test_readme_block_leaves_the_step_times_to_the_study_file():
-    """The README's block (step_times=False) has the time-to-target tables and a pointer to
+    """The short block (step_times=False) has the time-to-target tables and a pointer to
     lm_study.md; the study file keeps the step-time table with each probe's check."""
     study = fake_study()
     study["probes"][1]["probe_check"]["probe_eval_loss"] = 1.5
@@ -143,8 +143,7 @@ def test_readme_block_leaves_the_step_times_to_the_study_file():
 
 def test_a_superseded_method_is_marked_in_the_study_file_and_left_out_of_the_readme(monkeypatch):
     """A method whose code changed after its runs is marked † in every table of the study file,
-    with why; the README's block (step_times=False) shows no † row, only a note naming it.
-    (Changed on purpose: the README block used to carry † rows; three tables now, not two.)"""
+    with why; the short block (step_times=False) shows no † row, only a note naming it."""
     monkeypatch.setattr(report, "SUPERSEDED", {"slow": "ran older code"})
     md = report.lm_markdown(fake_study())
     assert md.count("| slow † |") == 3 and "| slow |" not in md  # time, loss, step-time tables

@@ -106,7 +106,7 @@ def lm_plot(results: dict, path: str) -> tuple[int, int]:
 
 
 def write_lm(path: str) -> str:
-    """Write the plot beside ``path`` (``.png``); regenerate the tables (README, ``.md``)."""
+    """Write the plot beside ``path`` (``.png``); regenerate the study's tables (``.md``)."""
     from experiments.studies import tables
 
     with open(path) as f:

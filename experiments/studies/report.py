@@ -457,7 +457,7 @@ def _step_table(v: dict, methods: list[str]) -> list[str]:
 def lm_markdown(results: dict, step_times: bool = True) -> str:
     """The LM study's tables: headline, time to target, loss at dense's times, step times.
 
-    ``step_times=False`` (the README's block) leaves out the measured step-time
+    ``step_times=False`` (a short block, for a headline elsewhere) leaves out the measured step-time
     tables and the superseded methods (:data:`SUPERSEDED`, named in a note:
     re-run pending), and points to ``experiments/results/lm_study.md``, which
     has both (superseded rows marked †) and the study's running time.
