@@ -47,7 +47,7 @@ VARIANTS: dict[str, dict] = {
     "DGC 1%": {"compressor": ("dgc_sgd", {"ratio": 0.01}), "lr_scale": 0.1},
     "PowerSGD r=2": {"compressor": ("powersgd", {"rank": 2})},
     # the all-gather exchange, as the recorded results (experiments/results) were measured;
-    # the default exchange="auto" goes two-phase on 8 workers (README "Two-phase exchange")
+    # the default exchange="auto" goes two-phase on 8 workers (the guide, "Two-phase exchange")
     "EF-sign": {"compressor": ("ef_sign", {"exchange": "gather"})},
     "sign no EF": {"compressor": ("ef_sign", {"error_feedback": False, "exchange": "gather"})},
     "QSGD 16 levels": {"compressor": ("qsgd", {"levels": 16, "exchange": "gather"})},

@@ -23,7 +23,7 @@ from experiments.configs import common
 
 VARIANTS: dict[str, dict] = {
     "dense": {"compressor": ("allreduce", {})},
-    # one all-reduce per leaf instead of one per bucket (see README "Several processes")
+    # one all-reduce per leaf instead of one per bucket (see the guide, "Several processes and real links")
     "dense_leaf": {"compressor": ("allreduce", {"bucket_bytes": None})},
     # the bf16 psum (as recorded in experiments/results): 4 bytes per entry on XLA:CPU
     "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0, "accumulate": "psum"})},
@@ -39,7 +39,7 @@ VARIANTS: dict[str, dict] = {
     # the all-gather exchange, as recorded in experiments/results (netstudy*.json)
     "ef_sign": {"compressor": ("ef_sign", {"min_size": 0, "exchange": "gather"})},
     "qsgd": {"compressor": ("qsgd", {"levels": 16, "min_size": 0, "exchange": "gather"})},
-    # the two-phase exchange (README "Two-phase exchange") against the all-gather
+    # the two-phase exchange (the guide, "Two-phase exchange") against the all-gather
     "ef_sign_2p": {"compressor": ("ef_sign", {"min_size": 0, "exchange": "two_phase"})},
     "int8": {"compressor": ("int8", {"min_size": 0, "error_feedback": True, "exchange": "gather"})},
     "int8_2p": {
