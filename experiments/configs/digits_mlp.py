@@ -23,7 +23,8 @@ from experiments.configs import common
 
 VARIANTS: dict[str, dict] = {
     "dense": {"compressor": ("allreduce", {})},
-    # one all-reduce per leaf instead of one per bucket (see the guide, "Several processes and real links")
+    # one all-reduce per leaf instead of one per bucket
+    # (the guide, "Several processes and real links")
     "dense_leaf": {"compressor": ("allreduce", {"bucket_bytes": None})},
     # the bf16 psum (as recorded in experiments/results): 4 bytes per entry on XLA:CPU
     "bf16": {"compressor": ("cast", {"dtype": "bfloat16", "min_size": 0, "accumulate": "psum"})},
