@@ -2,8 +2,9 @@
 
 Run under ``experiments.launch`` (e.g. 2 processes x 1 device) or as one process
 with fake devices; process 0 writes the final flat master weights of each run and
-each run's losses to ``OUT`` (.npz). ``tests/test_fsdp.py`` compares them with
-the same runs on 2 fake devices in one process.
+each run's losses to ``OUT`` (.npz). ``tests/test_fsdp.py`` compares 2 processes
+x 1 device with 1 process x 2 devices. The model, data and loss are
+``tests/mp_parallel.py``'s.
 """
 
 from __future__ import annotations
@@ -11,38 +12,14 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import jaxcomm
 from jaxcomm import distributed
+from tests.mp_parallel import batches, init_params, loss_fn  # the same MLP, data and loss
 
 AXIS = "data"
-STEPS = 4
-
-
-def init_params() -> dict:
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "w1": np.asarray(jax.random.normal(k1, (20, 48)) * 0.3),
-        "b1": np.zeros((48,), np.float32),
-        "w2": np.asarray(jax.random.normal(k2, (48, 10)) * 0.3),
-    }
-
-
-def loss_fn(params, batch):
-    x, y = batch
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    return optax.softmax_cross_entropy_with_integer_labels(h @ params["w2"], y).mean()
-
-
-def batches(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Global batches (the same on every process): 4 rows per worker."""
-    rng = np.random.default_rng(7)
-    x = rng.normal(size=(STEPS, 4 * n, 20)).astype(np.float32)
-    y = rng.integers(0, 10, (STEPS, 4 * n)).astype(np.int32)
-    return list(zip(x, y))
 
 
 def trainers(mesh) -> dict:
