@@ -27,15 +27,17 @@ def mesh():
 H = 184  # hidden width: 25 H + 8 = 4608 parameters, 18 int8 blocks of 32 per worker
 
 
-def make_params(seed=0):
-    """A small MLP: two matrices and two biases, 4,608 parameters (no padding at N x 32)."""
+def make_params(seed=0, h=H, dtype=jnp.float32):
+    """A small MLP: two matrices and two biases, 25 h + 8 parameters (4,608: no padding at
+    N x 32; h = 185 gives 4,633, padded)."""
     k = jax.random.split(jax.random.key(seed), 4)
-    return {
-        "w1": jax.random.normal(k[0], (16, H)) / 4,
-        "b1": jax.random.normal(k[1], (H,)) / 10,
-        "w2": jax.random.normal(k[2], (H, 8)) / np.sqrt(H),
+    p = {
+        "w1": jax.random.normal(k[0], (16, h)) / 4,
+        "b1": jax.random.normal(k[1], (h,)) / 10,
+        "w2": jax.random.normal(k[2], (h, 8)) / np.sqrt(h),
         "b2": jnp.zeros((8,)),
     }
+    return jax.tree.map(lambda x: x.astype(dtype), p)
 
 
 def loss_fn(params, batch):
@@ -51,6 +53,47 @@ def make_batch(seed=1, per_worker=4):
     """Inputs and a learnable target (a fixed linear teacher)."""
     x = jax.random.normal(jax.random.key(seed), (N * per_worker, 16))
     return x, x @ TEACHER
+
+
+def test_padded_vector_trains_bit_for_bit_and_loads_onto_three_workers(mesh):
+    """25 x 185 + 8 = 4,633 parameters: the flat vector is padded (4,640 on 8 workers) and
+    SGD with momentum still equals per-leaf shards bit for bit; loaded onto 3 workers the
+    master weights and the momentum carry over exactly (cut to 4,633, padded to 4,635)."""
+    params = make_params(h=185)
+    tx = optax.sgd(0.1, 0.9)
+    batches = [make_batch(s) for s in range(3)]
+    want, _ = hand_written_fsdp(params, tx, batches, mesh, per_leaf=True)
+    trainer = jaxcomm.fsdp(loss_fn, tx, mesh)
+    state = trainer.init(params)
+    assert (trainer.length, trainer.chunk) == (4640, 580)
+    for b in batches:
+        state, _ = trainer.step(state, b)
+    got = trainer.params(state)
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+    assert not np.any(np.asarray(state.params)[4633:])  # the padding stays zero
+    mesh3 = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
+    three = jaxcomm.fsdp(loss_fn, tx, mesh3)
+    three.init(params)
+    moved = three.load(jax.tree.map(np.asarray, state))
+    assert moved.params.shape == (4635,)
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(three.params(moved)[k]), np.asarray(got[k]))
+    mom8 = np.asarray(jax.tree.leaves(state.opt_state)[0])
+    mom3 = np.asarray(jax.tree.leaves(moved.opt_state)[0])
+    np.testing.assert_array_equal(mom3[:4633], mom8[:4633])
+
+
+def test_an_all_bfloat16_model_keeps_its_dtype(mesh):
+    params = make_params(dtype=jnp.bfloat16)
+    trainer = jaxcomm.fsdp(loss_fn, optax.sgd(0.1), mesh)
+    state = trainer.init(params)
+    assert state.params.dtype == jnp.float32  # the master weights
+    state, loss = trainer.step(state, make_batch())
+    assert all(v.dtype == jnp.bfloat16 for v in trainer.params(state).values())
+    # the step ran on bfloat16 weights: its loss is the loss at the rounded params
+    want = loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), make_batch())
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
 
 
 def hand_written_fsdp(params, tx, batches, mesh, per_leaf=True):
@@ -268,6 +311,19 @@ def test_state_is_sharded_and_residuals_per_worker(mesh):
 def test_bad_input_is_refused_with_the_argument_named(mesh):
     with pytest.raises(ValueError, match="clip_by_global_norm|reduce_sum"):
         jaxcomm.fsdp(loss_fn, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), mesh)
+    with pytest.raises(ValueError, match="tx: it exchanges over axis_name='data'"):
+        jaxcomm.fsdp(
+            loss_fn,
+            optax.chain(jaxcomm.int8(axis_name="data", stochastic=False), optax.sgd(0.1)),
+            mesh,
+        )
+    with pytest.raises(ValueError, match="tx: it exchanges over axis_name='data'"):
+        jaxcomm.fsdp(loss_fn, jaxcomm.diloco(optax.sgd(0.1), every=2, axis_name="data"), mesh)
+    masked = jaxcomm.fsdp(
+        loss_fn, optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)), mesh
+    )
+    with pytest.raises(ValueError, match="MaskedState"):
+        masked.init(make_params())
     with pytest.raises(ValueError, match="weights"):
         jaxcomm.fsdp(loss_fn, optax.adam(1e-3), mesh, weights="fp8")
     with pytest.raises(ValueError, match="block_size"):
@@ -414,6 +470,8 @@ def test_the_lm_bench_rows_on_two_devices():
     # fsdp dense: weights all-gather (4 d / 2) + reduce-scatter operand (4 d) + the loss (4)
     assert rows["fsdp"]["bytes_per_step"] == 4 * d // 2 + 4 * d + 4
     assert rows["fsdp_q8w_q8g"]["bytes_per_step"] <= 0.3 * rows["fsdp"]["bytes_per_step"]
+    # residuals: none for dense; the error-feedback residual covers the whole vector
+    assert rows["fsdp"]["comm_state"] == 0 and rows["fsdp_q8w_q8g"]["comm_state"] >= 4 * d
     md = bench.markdown(
         {"processes": 2, "links": [{"rate": "loopback", "rows": list(rows.values())}]}
     )

@@ -46,6 +46,7 @@ from experiments import data as data_lib
 from experiments import optimizers, train
 from experiments.configs import lm_shakespeare
 from experiments.studies import runs
+from jaxcomm.parallel import is_worker_state
 
 FLAGS = flags.FLAGS
 AXIS = "data"
@@ -74,10 +75,11 @@ def setup(n: int):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     seq, per = config.data.seq_len, config.data.batch_size
-    rng = np.random.default_rng(config.seed)
 
-    def batch():
-        """A global batch: ``per`` windows from each worker's own stream."""
+    def batch(i: int):
+        """Step ``i``'s global batch: ``per`` windows from each worker's own stream (the same
+        for every row)."""
+        rng = np.random.default_rng([config.seed, i])
         xs, ys = [], []
         for w in range(n):
             stream = np.asarray(ds.x_train[w])
@@ -117,7 +119,13 @@ def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dic
             return (p, s), loss
 
         def memory(state):
-            return {"params": on_device(state[0]), "opt_state": on_device(state[1])}
+            comm = [x for x in jax.tree.leaves(state[1], is_leaf=is_worker_state)
+                    if is_worker_state(x)]  # fmt: skip
+            return {
+                "params": on_device(state[0]),
+                "opt_state": on_device(state[1]) - on_device(comm),
+                "comm_state": on_device(comm),
+            }
     else:
         weights = {"fsdp_bf16w": "bfloat16", "fsdp_q8w": "int8", "fsdp_q8w_q8g": "int8"}
         grads = None
@@ -133,14 +141,14 @@ def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dic
         run, memory = trainer.step, trainer.memory
         sent = None
     times, loss = [], None
-    b = batch()
+    b = batch(0)
     for i in range(warmup + steps):
         t = time.perf_counter()
         state, loss = run(state, b)
         jax.block_until_ready(loss)
         if i >= warmup:
             times.append(time.perf_counter() - t)
-        b = batch()
+        b = batch(i + 1)
     if sent is None:
         sent = sum(c.nbytes for c in trainer.wire_report(state, b))
     return {
@@ -165,10 +173,12 @@ def markdown(results: dict) -> str:
     lines = [
         "Sharded training (`python -m experiments.bench.fsdp`), the LM study's GPT and AdamW, "
         f"{results['processes']} processes; bytes: one worker's collective operands per step; "
-        "memory: one worker's parameters and optimizer state; step: median (min–max) ms.",
+        "memory: one worker's parameters, optimizer state and gradient residuals; step: median "
+        "(min–max) ms; loss: the last step's, on the same batches for every row.",
         "",
-        "| link | variant | MB/step | vs fsdp | params MB | optimizer MB | step ms | loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| link | variant | MB/step | vs fsdp | params MB | optimizer MB | residual MB "
+        "| step ms | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for link in results["links"]:
         base = next((r for r in link["rows"] if r["variant"] == "fsdp"), None)
@@ -176,7 +186,8 @@ def markdown(results: dict) -> str:
             ratio = f"{r['bytes_per_step'] / base['bytes_per_step']:.2f}x" if base else "—"
             lines.append(
                 f"| {link['rate']} | {r['variant']} | {r['bytes_per_step'] / 1e6:.2f} | {ratio} "
-                f"| {r['params'] / 1e6:.2f} | {r['opt_state'] / 1e6:.2f} | {r['step_ms']:.0f} "
+                f"| {r['params'] / 1e6:.2f} | {r['opt_state'] / 1e6:.2f} "
+                f"| {r.get('comm_state', 0) / 1e6:.2f} | {r['step_ms']:.0f} "
                 f"({r['step_ms_min']:.0f}–{r['step_ms_max']:.0f}) | {r['loss']:.3f} |"
             )
     return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ updates only its own shard:
                            weights="int8",                      # ZeRO++ qwZ
                            gradients=jaxcomm.int8(axis_name="data", error_feedback=True,
                                                   exchange="reduce_scatter"))  # qgZ
-    state = trainer.init(params)               # sharded: params, optimizer, residuals
+    state = trainer.init(params)               # params, optimizer sharded; residuals per worker
     state, loss = trainer.step(state, batch)   # batch: the global batch
     params = trainer.params(state)             # the whole model, gathered
 
@@ -24,7 +24,11 @@ one ``(c,)`` shard, so it must be element-wise (SGD, momentum, Adam, AdamW,
 Lion, ...). An optimizer that reduces over the parameters
 (``clip_by_global_norm``, Muon, Shampoo, LAMB's trust ratio) would compute
 from this worker's shard alone: :func:`fsdp` finds the reduction in the
-traced update and refuses it, naming the primitive.
+traced update and refuses it, naming the primitive. Also refused: a ``tx``
+that exchanges over the data axis itself (``optax.chain(jaxcomm.int8(...),
+...)``: fsdp hands it this worker's shard of the mean already; compress with
+``gradients=``), and a per-leaf mask or labels (``optax.masked``,
+``multi_transform``, ``adamw(mask=...)``), which would cover the one vector.
 
 Weights (``weights``), what a worker sends of its shard per step:
 
@@ -83,7 +87,7 @@ WEIGHTS = ("float32", "bfloat16", "int8")
 _REDUCTIONS = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
      "argmax", "argmin", "dot_general", "cumsum", "cumprod", "cummax", "cummin", "sort",
-     "reduce_precision_sum"}
+     "top_k", "approx_top_k", "fft", "conv_general_dilated", "scatter-add", "scatter_add"}
 )  # fmt: skip
 
 
@@ -158,12 +162,65 @@ class Fsdp:
         self.axis_name, self.weights, self.gradients = axis_name, weights, gradients
         self.block_size, self.has_aux = block_size, has_aux
         self.n = axis_size(mesh, axis_name)
-        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        with no_mesh, self._simulated_axes():
-            check_elementwise(tx)
+        self._check_tx(16)
         self._unravel = None
         self._size = None
         self._step = None
+
+    def _axes_of(self, recorded: list[Collective]) -> set[str]:
+        names = set()
+        for c in recorded:
+            names |= set(c.axis) if isinstance(c.axis, tuple) else {c.axis}
+        return names
+
+    def _check_tx(self, size: int) -> None:
+        """``tx`` is element-wise on a ``(size,)`` shard and does not exchange over the data
+        axis (fsdp hands it this worker's shard of the mean already: an exchange there
+        would average different parameters' entries)."""
+        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+        with no_mesh, self._simulated_axes() as ledger:
+            check_elementwise(self.tx, size)
+        if self.axis_name in self._axes_of(ledger.collectives):
+            raise ValueError(
+                f"tx: it exchanges over axis_name={self.axis_name!r}, but fsdp already "
+                "reduce-scatters the gradient there and tx sees one worker's shard (an "
+                "exchange would mix different parameters); compress with gradients=..., and "
+                "average across replica groups with replica_axis"
+            )
+
+    def _refuse_tree_options(self) -> None:
+        """``optax.masked`` / ``multi_transform`` label the params tree: fsdp's one vector has
+        one leaf, so a mask or labels meant per leaf would apply to all of it."""
+        state = jax.eval_shape(self.tx.init, jax.ShapeDtypeStruct((self.length,), jnp.float32))
+        names = ("MaskedState", "MultiTransformState")
+        is_tree_option = lambda x: type(x).__name__ in names  # noqa: E731
+        found = {
+            type(x).__name__
+            for x in jax.tree.leaves(state, is_leaf=is_tree_option)
+            if is_tree_option(x)
+        }
+        if found:
+            raise ValueError(
+                f"tx: it holds {sorted(found)} (optax.masked / multi_transform, or a "
+                "mask= argument): fsdp gives tx one flat vector, so a per-leaf mask or label "
+                "would cover every parameter alike; drop the mask (e.g. weight decay on all "
+                "leaves) or use the replicated data_parallel"
+            )
+
+    def _check_gradients(self) -> None:
+        """``gradients`` exchanges over the data axis only (traced on the flat vector)."""
+        v = jax.ShapeDtypeStruct((self.length,), jnp.float32)
+        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+        with no_mesh, self._simulated_axes() as ledger:
+            state = jax.eval_shape(self.gradients.init, v)
+            jax.make_jaxpr(lambda g, st: self.gradients.update(g, st))(v, state)
+        other = self._axes_of(ledger.collectives) - {self.axis_name}
+        if other:
+            raise ValueError(
+                f"gradients: it exchanges over {sorted(other)}; fsdp needs its reduce-scatter "
+                f"over axis_name={self.axis_name!r} (build it with that axis_name and "
+                "exchange='reduce_scatter')"
+            )
 
     # -- layout -------------------------------------------------------------------------
     def _layout(self, params: Any) -> None:
@@ -175,7 +232,11 @@ class Fsdp:
                     "state out of params)"
                 )
         flat, unravel = ravel_pytree(params)
-        self._size, self._unravel = flat.shape[0], unravel
+        dtypes = jax.tree.map(jnp.result_type, params)
+        self._size = flat.shape[0]
+        # ravel_pytree's unravel keeps the vector's dtype when every leaf shares one: cast
+        # back to each leaf's own (an all-bfloat16 model runs in bfloat16)
+        self._unravel = lambda v: jax.tree.map(lambda x, d: x.astype(d), unravel(v), dtypes)
         unit = self.n * (self.block_size if self.weights == "int8" else 1)
         self.length = -(-self._size // unit) * unit
         self.chunk = self.length // self.n
@@ -188,9 +249,20 @@ class Fsdp:
         """Stored leaves' specs: the flat-vector leaves (and residuals' worker axis) over the
         data axis, scalars replicated; with replicas, a leading replica axis on every leaf."""
         ax, r = self.axis_name, self.replica_axis
-        if r is None:
-            return jax.tree.map(lambda x: P(ax) if jnp.ndim(x) >= 1 else P(), state_tree)
-        return jax.tree.map(lambda x: P(r, ax) if jnp.ndim(x) >= 2 else P(r), state_tree)
+        lead = 0 if r is None else 1
+
+        def spec(x):
+            shape = jnp.shape(x)
+            flat = len(shape) > lead and shape[lead] == self.length
+            inner = (ax,) if flat else ()
+            return P(*(() if r is None else (r,)), *inner)
+
+        return jax.tree.map(spec, state_tree)
+
+    def _comm_specs(self, comm_state: Any) -> Any:
+        """The residuals' specs: a leading worker axis (after the replica axis)."""
+        lead = () if self.replica_axis is None else (self.replica_axis,)
+        return jax.tree.map(lambda _: P(*lead, self.axis_name), comm_state)
 
     def _stored(self, tree: Any) -> Any:
         """One replica's leaves as stored: with replicas, a leading replica axis (copies)."""
@@ -198,11 +270,11 @@ class Fsdp:
             return tree
         return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.replicas, *jnp.shape(x))), tree)
 
-    def _put(self, tree: Any) -> Any:
+    def _put(self, tree: Any, specs: Any = None) -> Any:
         return jax.tree.map(
             lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec)),
             tree,
-            self._specs(tree),
+            self._specs(tree) if specs is None else specs,
         )
 
     @property
@@ -213,6 +285,10 @@ class Fsdp:
     def init(self, params: Any) -> FsdpState:
         """The sharded state of ``params``: flat master weights, optimizer and residuals."""
         self._layout(params)
+        self._check_tx(self.chunk)
+        if self.gradients is not None:
+            self._check_gradients()
+        self._refuse_tree_options()
         flat = self._flat(params)
         with self._simulated_axes():
             opt_state = self.tx.init(flat)
@@ -241,7 +317,12 @@ class Fsdp:
                     "state.params: with replica_axis, a state loads onto the same replica and "
                     f"worker counts only (saved {tuple(jnp.shape(state.params))}, here {want})"
                 )
-            return self._put(jax.tree.map(jnp.asarray, state))
+            state = jax.tree.map(jnp.asarray, state)
+            if state.comm_state is None and self.gradients is not None:
+                return self._put(state._replace(comm_state=None))._replace(
+                    comm_state=self._fresh_comm_state()
+                )
+            return self._put(state, self._state_specs(state))
         old = int(jnp.shape(state.params)[0])
         if old < self._size:
             raise ValueError(
@@ -249,14 +330,14 @@ class Fsdp:
                 "a state of another model"
             )
 
-        def relay(x, spec):
+        def relay(x):
             x = jnp.asarray(x)
-            if spec == P(self.axis_name) and x.shape[0] == old:
+            if x.ndim >= 1 and x.shape[0] == old:  # a flat vector: cut to D, re-padded here
                 x = jnp.pad(x[: self._size], (0, self.length - self._size))
-            return jax.device_put(x, NamedSharding(self.mesh, spec))
+            return x
 
-        params = relay(state.params, P(self.axis_name))
-        opt_state = jax.tree.map(relay, state.opt_state, self._specs(state.opt_state))
+        params = self._put(relay(state.params))
+        opt_state = self._put(jax.tree.map(relay, state.opt_state))
         comm_state = state.comm_state
         if self.gradients is None or comm_state is None:
             comm_state = None if self.gradients is None else self._fresh_comm_state()
@@ -269,14 +350,23 @@ class Fsdp:
                     "They are per worker: pass state._replace(comm_state=None) to start "
                     "fresh residuals"
                 )
-            shard = NamedSharding(self.mesh, P(self.axis_name))
-            comm_state = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), shard), comm_state)
+            comm_state = jax.tree.map(jnp.asarray, comm_state)
+            comm_state = self._put(comm_state, self._comm_specs(comm_state))
         return FsdpState(params, opt_state, comm_state)
 
     def _fresh_comm_state(self) -> Any:
         one = self.gradients.init(jnp.zeros((self.length,), jnp.float32))
-        workers = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), one)
-        return self._put(self._stored(workers))
+        workers = self._stored(
+            jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), one)
+        )
+        return self._put(workers, self._comm_specs(workers))
+
+    def _state_specs(self, state: FsdpState) -> FsdpState:
+        return FsdpState(
+            self._specs(state.params),
+            self._specs(state.opt_state),
+            self._comm_specs(state.comm_state),
+        )
 
     def _simulated_axes(self) -> Any:
         """The mesh axes as the byte ledger simulates them (tracing outside the mesh)."""
@@ -350,7 +440,7 @@ class Fsdp:
 
     def _compiled(self, state: FsdpState, batch: Any) -> Callable:
         if self._step is None:
-            specs = tuple(self._specs(part) for part in state)
+            specs = tuple(self._state_specs(state))
             batch_specs = jax.tree.map(lambda _: P(self._axes), batch)
             worker = self._worker if self.replica_axis is None else self._replica_worker
             fn = jax.shard_map(
@@ -401,7 +491,9 @@ class Fsdp:
                     shape[i] //= sizes[name]
             return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
-        args = [jax.tree.map(local, part, self._specs(part)) for part in state]
+        args = [
+            jax.tree.map(local, part, spec) for part, spec in zip(state, self._state_specs(state))
+        ]
         b = jax.tree.map(lambda x: local(x, P(self._axes)), batch)
         worker = self._worker if self.replica_axis is None else self._replica_worker
         no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
@@ -410,12 +502,17 @@ class Fsdp:
         return accounting.in_program(closed, ledger.collectives)
 
     def memory(self, state: FsdpState) -> dict[str, int]:
-        """Bytes of parameters and optimizer state on the first device, from the shardings."""
+        """Bytes on the first device, from the shardings: parameters and optimizer state
+        (sharded) and the gradient transform's state (a residual of the whole vector)."""
 
         def on_device(tree):
             return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
-        return {"params": on_device(state.params), "opt_state": on_device(state.opt_state)}
+        return {
+            "params": on_device(state.params),
+            "opt_state": on_device(state.opt_state),
+            "comm_state": on_device(state.comm_state),  # residuals: whole (L,) per worker
+        }
 
 
 def fsdp(
