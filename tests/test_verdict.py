@@ -404,15 +404,20 @@ def test_counterpart_ratio_only_when_both_end_within_the_band(monkeypatch):
     assert "vs absent" not in report.lm_markdown(study)  # a counterpart not run: skipped
 
 
-def test_loopback_probes_time_loopback_when_present_and_runs_clocks_otherwise():
-    """The trajectories may share the cores, so loopback is timed by its probes where the JSON
-    has them (first call + remaining steps x the median probe step), else by the runs' clocks."""
+def test_loopback_probes_time_loopback_when_every_method_has_them():
+    """The trajectories may share the cores, so loopback is timed by its probes where every
+    method of the group has them (first call + remaining steps x the median probe step),
+    else every method by its runs' clocks (one clock for the column)."""
     study = fake_study()
     before = report.lm_verdicts(study)[2]["methods"]["dense"]["links"]["loopback"]
     # runs' clocks: dense's curve(...) rows take 0.5 s a step
     assert before["step_ms"] == pytest.approx(500.0)
     assert "probes" not in before and "500, runs' clocks" in report.lm_markdown(study)
     study["probes"].append(probe("dense", None, rate="loopback", repeats=[0.3, 0.2, 0.25]))
+    # dense alone probed: still the runs' clocks for every method
+    alone = report.lm_verdicts(study)[2]["methods"]["dense"]["links"]["loopback"]
+    assert alone["step_ms"] == pytest.approx(500.0) and "probes" not in alone
+    study["probes"] += [probe(m, 0.05, rate="loopback") for m in ("fast", "slow")]
     v = report.lm_verdicts(study)[2]
     assert v["rates"] == ["loopback", "10mbit"]  # loopback once, not again from the probes
     cell = v["methods"]["dense"]["links"]["loopback"]
@@ -422,8 +427,7 @@ def test_loopback_probes_time_loopback_when_present_and_runs_clocks_otherwise():
     med = statistics.median(v["methods"]["dense"]["steps_to_target"])
     assert cell["median"] == pytest.approx(10 * 0.25 + 1.0 + (med - 10) * 0.25)
     assert "| 250 (200–300), 3 probes, equal |" in row_of(report.lm_markdown(study), "dense", 2)
-    # a method without loopback probes keeps its runs' clocks
-    assert v["methods"]["fast"]["links"]["loopback"]["step_ms"] == pytest.approx(500.0 / 5)
+    assert v["methods"]["fast"]["links"]["loopback"]["step_ms"] == pytest.approx(50.0)
 
 
 def test_validate_best_names_the_headline_method_or_none():

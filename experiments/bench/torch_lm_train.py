@@ -7,7 +7,8 @@ windows as the JAX harness's worker of that index, under
 ``torch.nn.parallel.DistributedDataParallel`` on gloo, with
 ``--hook``:
 
-- ``none``: DDP's own fp32 all-reduce of its buckets;
+- ``none``: DDP's fp32 all-reduce of its buckets (``allreduce_hook``, the same
+  operation as DDP's default, registered so that its bytes are counted);
 - ``fp16``: ``fp16_compress_hook`` (the buckets sent as float16);
 - ``powersgd``: ``PowerSGDState`` + ``powerSGD_hook`` at jaxcomm's setting
   (rank ``--rank``, error feedback, warm start, ``start_powerSGD_iter=2``
@@ -16,7 +17,8 @@ windows as the JAX harness's worker of that index, under
   one bucket (torch's hook fails on gloo with more than one).
 
 It writes ``metrics.jsonl`` in the JAX harness's row format (``step``,
-``loss``, ``eval_loss`` and its standard error over windows, ``accuracy``,
+``loss``: the training loss's mean over the steps since the last row and over
+the ranks, ``eval_loss`` and its standard error over windows, ``accuracy``,
 ``train_s``: seconds of training steps, evaluations excluded, ``wire_bytes``:
 the bytes this rank handed to ``all_reduce`` so far), every ``--eval_every``
 steps, so the LM study (:mod:`experiments.studies.lm`) runs, probes and
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -97,8 +100,8 @@ def wrap(model: torch.nn.Module, hook: str, rank: int) -> DDP:
         ddp.register_comm_hook(state, ph.powerSGD_hook)
         return ddp
     ddp = DDP(model)
-    if hook == "fp16":
-        ddp.register_comm_hook(None, dh.fp16_compress_hook)
+    # dense: DDP's own all-reduce of its fp32 buckets, as a hook so the bytes are counted
+    ddp.register_comm_hook(None, dh.fp16_compress_hook if hook == "fp16" else dh.allreduce_hook)
     return ddp
 
 
@@ -141,19 +144,25 @@ def main(argv) -> None:
             train_s += time.perf_counter() - t
             losses.append(loss.item())
             done = step + 1
-            if rank == 0 and (done % every == 0 or done == stop):
-                sent = (
-                    counter.bytes
-                    if FLAGS.hook != "none"
-                    else 4 * done * sum(p.numel() for p in model.parameters())
-                )
-                row = {"step": done, "loss": float(np.mean(losses)), **evaluate(model, ds.x_test),
-                       "train_s": train_s, "wire_bytes": int(sent), "processes": world,
-                       "wall_s": time.perf_counter() - t0}  # fmt: skip
+            if done % every == 0 or done == stop:
+                # the harness's "loss": the mean over the steps since the last row and over
+                # the ranks (one uncounted all-reduce per evaluation, on every rank)
+                mean = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+                counter.orig(mean)
                 losses = []
+            if rank == 0 and (done % every == 0 or done == stop):
+                row = {"step": done, "loss": float(mean[0] / mean[1]),
+                       **evaluate(model, ds.x_test), "train_s": train_s,
+                       "wire_bytes": int(counter.bytes), "processes": world,
+                       "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    dist.destroy_process_group()
+    # every rank is done; leave without tearing the group down (torch's gloo teardown at
+    # exit sometimes aborts: experiments/bench/torch_peers.py)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ The verdict rules are :mod:`experiments.studies.verdict`'s.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -252,6 +253,12 @@ def main(argv: list[str]) -> None:
     def save():
         runs.save_json(FLAGS.out, results)
 
+    torch_methods = sorted(set(FLAGS.methods) & set(TORCH))
+    if torch_methods and importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            f"--methods: {torch_methods} run PyTorch DDP, which is not installed (the peers "
+            'extra: pip install -e ".[peers]"); or leave them out of --methods'
+        )
     phases = set(FLAGS.phases)
     if not phases <= set(PHASES):
         raise ValueError(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {PHASES}")

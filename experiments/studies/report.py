@@ -200,6 +200,7 @@ def lm_verdicts(results: dict) -> dict:
         vals = {(v["rate"], v["method"], v["seed"]): v
                 for v in results.get("validation", []) if v["n"] == n}  # fmt: skip
         rates = ["loopback"] + [r for r in RATE_ORDER[1:] if any(k[0] == r for k in probes)]
+        loop_probed = all(("loopback", m) in probes for m in methods)
         rows, axes = {}, {}
         for m in methods:
             finals = [r["curve"][-1]["eval_loss"] for r in by[m]]
@@ -214,9 +215,10 @@ def lm_verdicts(results: dict) -> dict:
                 "links": {},
             }  # fmt: skip
             for rate in rates:
-                # loopback's probes when the JSON has them (the runs may have shared the cores),
-                # else the runs' own clocks
-                probe = probes.get((rate, m))
+                # loopback's probes when every method of the group has them (the runs may
+                # have shared the cores), else every method on its runs' own clocks: one
+                # clock for the whole column
+                probe = probes.get((rate, m)) if rate != "loopback" or loop_probed else None
                 if rate != "loopback" and probe is None:
                     continue
                 got = [vals.get((rate, m, r["seed"])) for r in by[m]]
