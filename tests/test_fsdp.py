@@ -476,3 +476,19 @@ def test_the_lm_bench_rows_on_two_devices():
         {"processes": 2, "links": [{"rate": "loopback", "rows": list(rows.values())}]}
     )
     assert "| loopback | fsdp_q8w_q8g |" in md
+
+
+def test_replicas_draw_their_own_stochastic_rounding_keys():
+    """With replica_axis, the gradient transform's keys differ between replicas (worker j of
+    every replica would otherwise round alike, and the outer average would not average that
+    noise out); within a replica they start alike (the transform folds the worker in)."""
+    grid = jax.make_mesh((2, 4), ("replica", "data"), devices=jax.devices()[:N])
+    grads = jaxcomm.int8(
+        axis_name="data", error_feedback=True, exchange="reduce_scatter", min_size=0,
+        key=jax.random.key(0),
+    )  # fmt: skip
+    tx = jaxcomm.diloco(optax.sgd(0.1), every=2, axis_name="replica")
+    trainer = jaxcomm.fsdp(loss_fn, tx, grid, replica_axis="replica", gradients=grads)
+    keys = np.asarray(trainer.init(make_params()).comm_state.key)  # (replicas, workers, 2)
+    assert keys.shape == (2, 4, 2)
+    assert (keys[0] != keys[1]).any() and (keys[0] == keys[0, :1]).all()

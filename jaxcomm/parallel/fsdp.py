@@ -356,9 +356,22 @@ class Fsdp:
 
     def _fresh_comm_state(self) -> Any:
         one = self.gradients.init(jnp.zeros((self.length,), jnp.float32))
-        workers = self._stored(
-            jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), one)
-        )
+        workers = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n, *jnp.shape(x))), one)
+        if self.replica_axis is not None:  # each replica its own keys (stochastic rounding)
+
+            def per_replica(path, x):
+                name = getattr(path[-1], "name", None) if path else None
+                fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))  # over the workers
+                if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                    return jnp.stack([fold(x, r) for r in range(self.replicas)])
+                if name == "key" and x.dtype == jnp.uint32:  # a state's raw key data
+                    keys = jax.random.wrap_key_data(x)
+                    return jnp.stack(
+                        [jax.random.key_data(fold(keys, r)) for r in range(self.replicas)]
+                    )
+                return jnp.broadcast_to(x, (self.replicas, *jnp.shape(x)))
+
+            workers = jax.tree_util.tree_map_with_path(per_replica, workers)
         return self._put(workers, self._comm_specs(workers))
 
     def _state_specs(self, state: FsdpState) -> FsdpState:
