@@ -76,19 +76,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm import accounting, collectives
 from jaxcomm.ledger import Collective, recording
+from jaxcomm.parallel import fsdp_checks
 from jaxcomm.parallel.layout import axis_size
 
 __all__ = ["Fsdp", "FsdpState", "WEIGHTS", "fsdp"]
 
 #: What the weight all-gather sends: the master shard, bfloat16, or int8 with block scales.
 WEIGHTS = ("float32", "bfloat16", "int8")
-
-# primitives that combine entries of an array: under FSDP they would see one shard only
-_REDUCTIONS = frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-     "argmax", "argmin", "dot_general", "cumsum", "cumprod", "cummax", "cummin", "sort",
-     "top_k", "approx_top_k", "fft", "conv_general_dilated", "scatter-add", "scatter_add"}
-)  # fmt: skip
 
 
 class FsdpState(NamedTuple):
@@ -107,36 +101,6 @@ class FsdpState(NamedTuple):
     params: jax.Array
     opt_state: Any
     comm_state: Any
-
-
-def _reductions(jaxpr: Any, found: set[str]) -> None:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _REDUCTIONS and any(
-            getattr(v.aval, "ndim", 0) >= 1 for v in eqn.invars
-        ):
-            found.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _reductions(sub.jaxpr, found)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _reductions(sub, found)
-
-
-def check_elementwise(tx: optax.GradientTransformation, size: int = 16) -> None:
-    """Raise if ``tx.update`` combines entries of the parameter vector (see the module doc)."""
-    v = jax.ShapeDtypeStruct((size,), jnp.float32)
-    state = jax.eval_shape(tx.init, v)
-    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(v, state, v)
-    found: set[str] = set()
-    _reductions(closed.jaxpr, found)
-    if found:
-        raise ValueError(
-            f"tx: its update combines entries of the parameters ({', '.join(sorted(found))}), "
-            "e.g. clip_by_global_norm, Muon or a trust ratio; under fsdp each worker holds "
-            "1/n of the parameters, so that would see one shard only. Use an element-wise "
-            "optimizer (sgd, adam, adamw, lion, ...), or the replicated data_parallel"
-        )
 
 
 class Fsdp:
@@ -162,67 +126,11 @@ class Fsdp:
         self.axis_name, self.weights, self.gradients = axis_name, weights, gradients
         self.block_size, self.has_aux = block_size, has_aux
         self.n = axis_size(mesh, axis_name)
-        self._check_tx(16)
+        fsdp_checks.check_tx(tx, 16, axis_name, self._simulated_axes)
         self._unravel = None
         self._size = None
         self._step = None
 
-    def _axes_of(self, recorded: list[Collective]) -> set[str]:
-        names = set()
-        for c in recorded:
-            names |= set(c.axis) if isinstance(c.axis, tuple) else {c.axis}
-        return names
-
-    def _check_tx(self, size: int) -> None:
-        """``tx`` is element-wise on a ``(size,)`` shard and does not exchange over the data
-        axis (fsdp hands it this worker's shard of the mean already: an exchange there
-        would average different parameters' entries)."""
-        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        with no_mesh, self._simulated_axes() as ledger:
-            check_elementwise(self.tx, size)
-        if self.axis_name in self._axes_of(ledger.collectives):
-            raise ValueError(
-                f"tx: it exchanges over axis_name={self.axis_name!r}, but fsdp already "
-                "reduce-scatters the gradient there and tx sees one worker's shard (an "
-                "exchange would mix different parameters); compress with gradients=..., and "
-                "average across replica groups with replica_axis"
-            )
-
-    def _refuse_tree_options(self) -> None:
-        """``optax.masked`` / ``multi_transform`` label the params tree: fsdp's one vector has
-        one leaf, so a mask or labels meant per leaf would apply to all of it."""
-        state = jax.eval_shape(self.tx.init, jax.ShapeDtypeStruct((self.length,), jnp.float32))
-        names = ("MaskedState", "MultiTransformState")
-        is_tree_option = lambda x: type(x).__name__ in names  # noqa: E731
-        found = {
-            type(x).__name__
-            for x in jax.tree.leaves(state, is_leaf=is_tree_option)
-            if is_tree_option(x)
-        }
-        if found:
-            raise ValueError(
-                f"tx: it holds {sorted(found)} (optax.masked / multi_transform, or a "
-                "mask= argument): fsdp gives tx one flat vector, so a per-leaf mask or label "
-                "would cover every parameter alike; drop the mask (e.g. weight decay on all "
-                "leaves) or use the replicated data_parallel"
-            )
-
-    def _check_gradients(self) -> None:
-        """``gradients`` exchanges over the data axis only (traced on the flat vector)."""
-        v = jax.ShapeDtypeStruct((self.length,), jnp.float32)
-        no_mesh = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-        with no_mesh, self._simulated_axes() as ledger:
-            state = jax.eval_shape(self.gradients.init, v)
-            jax.make_jaxpr(lambda g, st: self.gradients.update(g, st))(v, state)
-        other = self._axes_of(ledger.collectives) - {self.axis_name}
-        if other:
-            raise ValueError(
-                f"gradients: it exchanges over {sorted(other)}; fsdp needs its reduce-scatter "
-                f"over axis_name={self.axis_name!r} (build it with that axis_name and "
-                "exchange='reduce_scatter')"
-            )
-
-    # -- layout -------------------------------------------------------------------------
     def _layout(self, params: Any) -> None:
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
@@ -285,10 +193,12 @@ class Fsdp:
     def init(self, params: Any) -> FsdpState:
         """The sharded state of ``params``: flat master weights, optimizer and residuals."""
         self._layout(params)
-        self._check_tx(self.chunk)
+        fsdp_checks.check_tx(self.tx, self.chunk, self.axis_name, self._simulated_axes)
         if self.gradients is not None:
-            self._check_gradients()
-        self._refuse_tree_options()
+            fsdp_checks.check_gradients(
+                self.gradients, self.length, self.axis_name, self._simulated_axes
+            )
+        fsdp_checks.refuse_tree_options(self.tx, self.length)
         flat = self._flat(params)
         with self._simulated_axes():
             opt_state = self.tx.init(flat)
