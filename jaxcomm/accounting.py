@@ -41,10 +41,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.jaxprs import equations
 from jaxcomm.ledger import MARKER, Collective, recording
 
 __all__ = [
@@ -118,22 +118,13 @@ def in_program(closed: Any, recorded: list[Collective]) -> list[Collective]:
     """The collectives of ``recorded`` (a ledger's, in order) whose tag is in the traced
     program ``closed`` (a ``ClosedJaxpr``): a function traced more than once (a branch
     traced to learn its types, ``jax.eval_shape``) records more than its program holds."""
-    found: set[int] = set()
-    _find_markers(closed.jaxpr, found)
+    found = {
+        int(m)
+        for eqn in equations(closed)
+        if eqn.primitive.name == "optimization_barrier"
+        for m in _MARK.findall(str(eqn.source_info.name_stack))
+    }
     return [c for i, c in enumerate(recorded) if i in found]
-
-
-def _find_markers(jaxpr: Any, found: set[int]) -> None:
-    """Collect the ledger entries whose tag survives in ``jaxpr`` (recursively)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "optimization_barrier":
-            found.update(int(m) for m in _MARK.findall(str(eqn.source_info.name_stack)))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _find_markers(sub.jaxpr, found)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _find_markers(sub, found)
 
 
 _MARK = re.compile(MARKER + r"(\d+)")

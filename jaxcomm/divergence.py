@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 
 from jax.extend import core as jcore
 
+from jaxcomm.jaxprs import equations, subjaxprs
+
 __all__ = ["AGREEING", "COLLECTIVES", "Finding", "check", "varying"]
 
 # outputs equal on every worker of the reduced axes
@@ -65,24 +67,8 @@ def _on_axis(eqn, axis_name) -> bool:
     return eqn.primitive.name in COLLECTIVES and axis_name in _axes(eqn)
 
 
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for sub in v if isinstance(v, (tuple, list)) else (v,):
-            if isinstance(sub, jcore.ClosedJaxpr):
-                yield sub.jaxpr
-            elif isinstance(sub, jcore.Jaxpr):
-                yield sub
-
-
 def _collective_in(jaxpr, axis_name) -> str | None:
-    for eqn in jaxpr.eqns:
-        if _on_axis(eqn, axis_name):
-            return eqn.primitive.name
-        for sub in _subjaxprs(eqn):
-            name = _collective_in(sub, axis_name)
-            if name:
-                return name
-    return None
+    return next((eqn.primitive.name for eqn in equations(jaxpr) if _on_axis(eqn, axis_name)), None)
 
 
 class _Walk:
@@ -126,10 +112,10 @@ class _Walk:
             return self.loop(eqn, ins)
         if name == "scan":
             return self.scan(eqn, ins)
-        subs = [s for s in _subjaxprs(eqn) if len(s.invars) == len(ins)]
+        subs = [s for s in subjaxprs(eqn) if len(s.invars) == len(ins)]
         if len(subs) == 1 and len(subs[0].outvars) == n_out:
             return self.jaxpr(subs[0], ins)
-        for sub in _subjaxprs(eqn):  # an unknown call: look inside for branches, vary on any
+        for sub in subjaxprs(eqn):  # an unknown call: look inside for branches, vary on any
             self.jaxpr(sub, [any(ins)] * len(sub.invars))
         return [any(ins)] * n_out
 

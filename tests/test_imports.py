@@ -1,8 +1,9 @@
 """jaxcomm's modules import each other without a cycle (imports inside functions included),
 and stay small: no module over 500 lines, no function over 80.
 
-The layers, bottom up: ``ledger`` (the byte ledger) and ``collectives`` (thin
-wrappers over lax collectives) import nothing of jaxcomm but the ledger;
+The layers, bottom up: ``ledger`` (the byte ledger) and ``jaxprs`` (the walk
+over a traced program) import nothing of jaxcomm; ``collectives`` (thin
+wrappers over lax collectives) nothing but the ledger;
 ``branches`` (``lax.cond``/``lax.switch`` typed alike under shard_map) and
 ``buckets`` (tensor fusion) are built on them; ``accounting`` reads the ledger
 and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) sits on top.
@@ -133,9 +134,14 @@ def test_jaxcomm_modules_import_each_other_without_a_cycle():
 def test_the_communication_layers():
     graph = import_graph()
     assert graph["jaxcomm.ledger"] == set()
+    assert graph["jaxcomm.jaxprs"] == set()
     assert graph["jaxcomm.collectives"] <= {"jaxcomm.ledger"}
     assert graph["jaxcomm.buckets"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
-    assert graph["jaxcomm.accounting"] <= {"jaxcomm.collectives", "jaxcomm.ledger"}
+    assert graph["jaxcomm.accounting"] <= {
+        "jaxcomm.collectives",
+        "jaxcomm.jaxprs",
+        "jaxcomm.ledger",
+    }
     assert graph["jaxcomm.branches"] <= {"jaxcomm.collectives"}
 
 

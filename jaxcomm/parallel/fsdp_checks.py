@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.jaxprs import equations
 from jaxcomm.ledger import Collective
 
 __all__ = ["axes_of", "check_elementwise", "check_gradients", "check_tx", "refuse_tree_options"]
@@ -26,18 +27,14 @@ _REDUCTIONS = frozenset(
 )  # fmt: skip
 
 
-def _reductions(jaxpr: Any, found: set[str]) -> None:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _REDUCTIONS and any(
-            getattr(v.aval, "ndim", 0) >= 1 for v in eqn.invars
-        ):
-            found.add(eqn.primitive.name)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    _reductions(sub.jaxpr, found)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    _reductions(sub, found)
+def _reductions(jaxpr: Any) -> set[str]:
+    """The primitives of ``jaxpr`` (sub-jaxprs included) that combine entries of an array."""
+    return {
+        eqn.primitive.name
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name in _REDUCTIONS
+        and any(getattr(v.aval, "ndim", 0) >= 1 for v in eqn.invars)
+    }
 
 
 def check_elementwise(tx: optax.GradientTransformation, size: int = 16) -> None:
@@ -45,8 +42,7 @@ def check_elementwise(tx: optax.GradientTransformation, size: int = 16) -> None:
     v = jax.ShapeDtypeStruct((size,), jnp.float32)
     state = jax.eval_shape(tx.init, v)
     closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(v, state, v)
-    found: set[str] = set()
-    _reductions(closed.jaxpr, found)
+    found = _reductions(closed)
     if found:
         raise ValueError(
             f"tx: its update combines entries of the parameters ({', '.join(sorted(found))}), "
