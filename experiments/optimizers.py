@@ -12,8 +12,6 @@ run's schedule; :func:`comm_steps` counts the steps that communicate.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,27 +20,13 @@ import numpy as np
 import optax
 
 import jaxcomm
+from jaxcomm import methods
 
 AXIS = "data"  # the mesh axis the transforms exchange over (the training mesh's)
-# Every jaxcomm factory that returns a GradientTransformation taking the gradient.
-COMPRESSORS = (
-    "allreduce",
-    "cast",
-    "topk",
-    "randomk",
-    "threshold",
-    "int8",
-    "qsgd",
-    "terngrad",
-    "onebit",
-    "ef_sign",
-    "sign_majority",
-    "twobit",
-    "dgc",
-    "dgc_sgd",
-    "powersgd",
-    "auto",  # jaxcomm.auto: measured on the run's mesh when training starts
-)
+# the compressors are jaxcomm.methods.compressors(), read when a config is checked (a codec
+# module added under jaxcomm/compressors/ is one), plus jaxcomm.auto (measured on the run's
+# mesh when training starts)
+AUTO = "auto"
 # optax's, optax.contrib's Muon (MuLoCo's inner optimizer under wrapper "diloco") and
 # jaxcomm.demo (DeMo communicates itself: compressor "allreduce", wrapper "none")
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "demo")
@@ -67,13 +51,10 @@ def positive_int(value: Any, key: str, low: int = 1) -> int:
     return int(value)
 
 
-def _factory_kwargs(factory: Callable, kwargs: dict, seed: int) -> dict:
-    """Add ``axis_name`` and (if the factory takes one and none was given) ``key``."""
-    kwargs = dict(kwargs, axis_name=AXIS)
-    sig = inspect.signature(factory).parameters
-    if "key" in sig and "key" not in kwargs:
-        kwargs["key"] = jax.random.key(seed)
-    return kwargs
+def compressor_names() -> tuple[str, ...]:
+    """What ``config.compressor.name`` may be: every compressor of :mod:`jaxcomm.methods`
+    and ``"auto"``."""
+    return (*methods.compressors(), AUTO)
 
 
 SCHEDULES = ("constant", "warmup_cosine")
@@ -123,7 +104,7 @@ def make_optimizer(
     and their ``rounds`` measured before: a resumed run replays its first choice); without them
     (validation, before any data is read) the dense all-reduce stands in.
     """
-    comp_name = choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
+    comp_name = choice(config.compressor.name, "config.compressor.name", compressor_names())
     opt_name = choice(config.optimizer.name, "config.optimizer.name", OPTIMIZERS)
     wrapper = choice(config.wrapper.name, "config.wrapper.name", WRAPPERS)
     policy = choice(config.get("policy", "none"), "config.policy", POLICIES)
@@ -169,8 +150,8 @@ def make_optimizer(
                 params, mesh, AXIS, **comp_kwargs, costs=costs, rounds=rounds, log=log
             )
         elif comp_name == "dgc_sgd":
-            kwargs = _factory_kwargs(jaxcomm.dgc, comp_kwargs, config.seed)
-            chained = jaxcomm.dgc_sgd(lr, **kwargs)
+            chained = methods.make("dgc_sgd", seed=config.seed, **comp_kwargs,
+                                   learning_rate=lr, axis_name=AXIS)  # fmt: skip
             comm = None
         else:
             comm = make_compressor(config)
@@ -227,12 +208,11 @@ def make_compressor(
     need the mesh or the learning rate): what :func:`make_optimizer` chains
     before the optimizer, for benchmarks that time its parts.
     """
-    name = choice(config.compressor.name, "config.compressor.name", COMPRESSORS)
-    if name in ("auto", "dgc_sgd"):
+    name = choice(config.compressor.name, "config.compressor.name", compressor_names())
+    if name in (AUTO, "dgc_sgd"):
         raise ValueError(f"config.compressor.name: {name!r} is not a plain compressor")
-    factory = getattr(jaxcomm, name)
-    kwargs = _factory_kwargs(factory, dict(config.compressor.get("kwargs", {})), config.seed)
-    return factory(**dict(kwargs, axis_name=axis_name))
+    kwargs = dict(config.compressor.get("kwargs", {}), axis_name=axis_name)
+    return methods.make(name, seed=config.seed, **kwargs)
 
 
 def comm_steps(config: ml_collections.ConfigDict, step: int) -> int:

@@ -31,11 +31,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
 
+import inspect
 import json
 import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,56 +47,76 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from experiments.bench.timing import median_time
+from jaxcomm import methods
 
 AXIS = "data"
 
-# name -> factory(ratio) building the transform over AXIS. Add new compressors here.
+# case -> (method of jaxcomm.methods, its keyword arguments), built over AXIS by build(); a
+# method's name is a case too (its defaults), so a codec added under jaxcomm/compressors/ runs
+# with --cases NAME and no edit here. A method taking ``ratio`` gets --ratio unless given.
 # The all-gather codecs are pinned to exchange="gather" (the path the README table measured;
 # their two-phase exchange is benchmarked by experiments.bench.two_phase).
-CASES: dict[str, Callable[[float], object]] = {
-    "allreduce": lambda r: jaxcomm.allreduce(axis_name=AXIS),
+G = {"exchange": "gather"}
+CASES: dict[str, tuple[str, dict]] = {
+    "allreduce": ("allreduce", {}),
     # the committed table measured the psum and the uint16 all-gather (not the
     # default accumulate="auto", which is the uint16 words, two-phase, on CPU)
-    "cast_bf16": lambda r: jaxcomm.cast(jnp.bfloat16, axis_name=AXIS, accumulate="psum"),
-    "cast_bf16_gather": lambda r: jaxcomm.cast(
-        jnp.bfloat16, axis_name=AXIS, accumulate="all_gather", exchange="gather"
-    ),
-    "topk": lambda r: jaxcomm.topk(r, axis_name=AXIS),
-    "threshold": lambda r: jaxcomm.threshold(r, axis_name=AXIS),
-    "threshold_nosample": lambda r: jaxcomm.threshold(r, axis_name=AXIS, sample_ratio=None),
+    "cast_bf16": ("cast", {"dtype": "bfloat16", "accumulate": "psum"}),
+    "cast_bf16_gather": ("cast", {"dtype": "bfloat16", "accumulate": "all_gather", **G}),
+    "topk": ("topk", {}),
+    "threshold": ("threshold", {}),
+    "threshold_nosample": ("threshold", {"sample_ratio": None}),
     # encode + exchange + decode only: no error-feedback memory (p = g + e, the residual)
-    "threshold_noef": lambda r: jaxcomm.threshold(r, axis_name=AXIS, error_feedback=False),
-    # the two-period selection it replaced, loaded from git (experiments.bench.threshold_fill)
-    "threshold_before": lambda r: _threshold_before(r),
-    "topk_noef": lambda r: jaxcomm.topk(r, axis_name=AXIS, error_feedback=False),
-    "randomk": lambda r: jaxcomm.randomk(r, key=jax.random.key(0), axis_name=AXIS),
-    "randomk_stratified": lambda r: jaxcomm.randomk(
-        r, key=jax.random.key(0), axis_name=AXIS, sampling="stratified"
-    ),
-    "int8": lambda r: jaxcomm.int8(key=jax.random.key(0), axis_name=AXIS, exchange="gather"),
-    "qsgd16": lambda r: jaxcomm.qsgd(16, key=jax.random.key(0), axis_name=AXIS, exchange="gather"),
-    "terngrad": lambda r: jaxcomm.terngrad(key=jax.random.key(0), axis_name=AXIS),
-    "terngrad_gather": lambda r: jaxcomm.terngrad(
-        key=jax.random.key(0), axis_name=AXIS, share_scale=False, exchange="gather"
-    ),
-    "onebit": lambda r: jaxcomm.onebit(axis_name=AXIS, exchange="gather"),
-    "ef_sign": lambda r: jaxcomm.ef_sign(axis_name=AXIS, exchange="gather"),
-    "sign_majority": lambda r: jaxcomm.sign_majority(axis_name=AXIS),
-    "twobit": lambda r: jaxcomm.twobit(axis_name=AXIS, exchange="gather"),
-    "dgc": lambda r: jaxcomm.dgc(r, axis_name=AXIS),
-    "powersgd_r1": lambda r: jaxcomm.powersgd(1, key=jax.random.key(0), axis_name=AXIS),
-    "powersgd_r2": lambda r: jaxcomm.powersgd(2, key=jax.random.key(0), axis_name=AXIS),
-    "powersgd_r4": lambda r: jaxcomm.powersgd(4, key=jax.random.key(0), axis_name=AXIS),
-    "powersgd_r1_batched": lambda r: jaxcomm.powersgd(
-        1, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
-    ),
-    "powersgd_r2_batched": lambda r: jaxcomm.powersgd(
-        2, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
-    ),
-    "powersgd_r4_batched": lambda r: jaxcomm.powersgd(
-        4, key=jax.random.key(0), axis_name=AXIS, batch_same_shape=True
-    ),
-}
+    "threshold_noef": ("threshold", {"error_feedback": False}),
+    "topk_noef": ("topk", {"error_feedback": False}),
+    "randomk": ("randomk", {}),
+    "randomk_stratified": ("randomk", {"sampling": "stratified"}),
+    "int8": ("int8", G),
+    "qsgd16": ("qsgd", {"levels": 16, **G}),
+    "terngrad": ("terngrad", {}),
+    "terngrad_gather": ("terngrad", {"share_scale": False, **G}),
+    "onebit": ("onebit", G),
+    "ef_sign": ("ef_sign", G),
+    "sign_majority": ("sign_majority", {}),
+    "twobit": ("twobit", G),
+    "dgc": ("dgc", {}),
+    **{f"powersgd_r{r}": ("powersgd", {"rank": r}) for r in (1, 2, 4)},
+    **{f"powersgd_r{r}_batched": ("powersgd", {"rank": r, "batch_same_shape": True})
+       for r in (1, 2, 4)},
+}  # fmt: skip
+# cases that are not a method's options: the two-period selection threshold replaced, loaded
+# from git (experiments.bench.threshold_fill)
+LOADED = ("threshold_before",)
+
+
+def _by_default(method: str) -> bool:
+    """Whether ``method`` builds from keywords this bench gives (axis, key, ratio) alone."""
+    params = inspect.signature(methods.get(method)).parameters.values()
+    required = {p.name for p in params if p.default is p.empty and p.kind != p.VAR_KEYWORD}
+    return required <= {"axis_name", "key", "ratio"}
+
+
+def case_names() -> list[str]:
+    """Every case --cases may name: the table's, the loaded ones and every compressor method
+    that builds with its defaults (``dgc_sgd`` needs a learning rate: its case is ``dgc``)."""
+    more = [m for m in methods.compressors() if m not in CASES and _by_default(m)]
+    return [*CASES, *LOADED, *more]
+
+
+def build(name: str, ratio: float) -> Any:
+    """Case ``name``'s transform over AXIS (``ratio`` for a method taking one)."""
+    if name == "threshold_before":
+        return _threshold_before(ratio)
+    method, kwargs = CASES.get(name, (name, {}))
+    if "ratio" in inspect.signature(methods.get(method)).parameters:
+        kwargs = {"ratio": ratio, **kwargs}
+    return methods.make(method, axis_name=AXIS, **kwargs)
+
+
+def is_matrix_case(name: str) -> bool:
+    """Cases that need matrix-shaped leaves: with --sizes their gradient is a near-square
+    (a, d/a) matrix instead of a vector (a 1-D leaf would go dense)."""
+    return CASES.get(name, (name,))[0] == "powersgd"
 
 
 def _threshold_before(ratio: float):
@@ -106,10 +128,6 @@ def _threshold_before(ratio: float):
     return tx
 
 
-# Cases that need matrix-shaped leaves: with --sizes their gradient is a near-square
-# (a, d/a) matrix instead of a vector (a 1-D leaf would go dense).
-MATRIX_CASES = {name for name in CASES if name.startswith("powersgd")}
-
 FLAGS = flags.FLAGS
 
 
@@ -118,7 +136,7 @@ def define_flags() -> None:
     module (tests) does not clash with other experiments' flags of the same name."""
     flags.DEFINE_list("sizes", ["100000", "1000000", "4000000", "10000000"], "entries per device")
     flags.DEFINE_float("ratio", 0.001, "sparsification ratio for sparsifiers")
-    flags.DEFINE_list("cases", list(CASES), "which compressors to run")
+    flags.DEFINE_list("cases", [*CASES, *LOADED], "which compressors to run")
     flags.DEFINE_integer("reps", 9, "timed repetitions (median is reported)")
     flags.DEFINE_string("out", "bench_out/compressors.json", "JSON output path")
     flags.DEFINE_enum(
@@ -217,8 +235,8 @@ def bench_size(d: int, names: list[str], ratio: float, reps: int) -> list[dict]:
     dense_traffic = 2 * (n - 1) / n * dense_payload
     rows = []
     for name in names:
-        tx = CASES[name](ratio)
-        g_in, p_in = (grads_m, params_m) if name in MATRIX_CASES else (grads, params)
+        tx = build(name, ratio)
+        g_in, p_in = (grads_m, params_m) if is_matrix_case(name) else (grads, params)
         step, state = sharded_update(tx, p_in, mesh)
         r = _median_ratio(Evolving(step, g_in, state), lambda: copy(grads["g"]), reps)
         report = jaxcomm.accounting.wire_report(tx, p_in, n)
@@ -336,7 +354,7 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
     )
     rows = []
     for name in names:
-        tx = CASES[name](ratio)
+        tx = build(name, ratio)
         step, state = sharded_update(tx, params, mesh)
         r = _median_ratio(Evolving(step, grads, state), lambda: copy(grads), reps)
         del state
@@ -368,9 +386,9 @@ def bench_tree(tree: str, names: list[str], ratio: float, reps: int) -> list[dic
 
 def main(argv):
     del argv
-    unknown = sorted(set(FLAGS.cases) - set(CASES))
+    unknown = sorted(set(FLAGS.cases) - set(case_names()))
     if unknown:
-        raise app.UsageError(f"--cases: unknown {unknown}; choose from {sorted(CASES)}")
+        raise app.UsageError(f"--cases: unknown {unknown}; choose from {case_names()}")
     print(f"{jax.device_count()} devices ({jax.devices()[0].platform}), ratio {FLAGS.ratio}")
     rows = []
     if FLAGS.tree:

@@ -1,9 +1,14 @@
 """Defaults shared by every config; each config file overrides what it needs.
 
-A config file's ``VARIANTS`` are the methods it runs: the one method registry.
-:func:`optimizer` builds a variant's optimizer, for whatever needs a method by
-name without a training run of :mod:`experiments.train` (the comparison study,
-the notebooks, tests).
+Method names resolve in :mod:`jaxcomm.methods` (the library's registry); a
+config file's ``VARIANTS`` are the table of its named variants beside it (a
+method with the options a study ran). :func:`variant` looks a variant up:
+every compressor of the registry is a variant of every config as well, with
+its defaults (``--config experiments/configs/digits_mlp.py:fp8`` trains a codec
+added under ``jaxcomm/compressors/`` with no edit here). :func:`optimizer`
+builds a variant's optimizer, for whatever needs a method by name without a
+training run of :mod:`experiments.train` (the comparison study, the notebooks,
+tests).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from types import ModuleType
 
 import ml_collections
 import optax
+
+from jaxcomm import methods
 
 
 def base() -> ml_collections.ConfigDict:
@@ -44,6 +51,19 @@ def base() -> ml_collections.ConfigDict:
     c.progress = True
     c.plot = True
     return c
+
+
+def variant(variants: dict[str, dict], name: str, config: str) -> dict:
+    """``variants[name]``, or ``{"compressor": (name, {})}`` where ``name`` is a compressor of
+    :func:`jaxcomm.methods.compressors`; a ``ValueError`` naming config ``config`` otherwise."""
+    if name in variants:
+        return variants[name]
+    if name in methods.compressors():
+        return {"compressor": (name, {})}
+    raise ValueError(
+        f"{config} variant: unknown {name!r}; choose from {list(variants)} or a compressor "
+        f"of jaxcomm.methods: {methods.compressors()}"
+    )
 
 
 def apply_variant(c: ml_collections.ConfigDict, variant: dict) -> None:

@@ -57,10 +57,6 @@ VARIANTS: dict[str, dict] = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = arg or "dense fp32"
-    if variant not in VARIANTS:
-        raise ValueError(
-            f"digits_compare variant: unknown {variant!r}; choose from {list(VARIANTS)}"
-        )
     c = common.base()
     c.n_workers = 8
     c.model.name = "mlp"
@@ -68,7 +64,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.name = "digits"
     c.data.batch_size = 0  # the whole shard every step, as the study
     c.optimizer.learning_rate = 0.5
-    common.apply_variant(c, VARIANTS[variant])
+    common.apply_variant(c, common.variant(VARIANTS, variant, "digits_compare"))
     c.num_train_steps = 400
     c.steps_per_call = 20
     c.eval_every = 20

@@ -66,15 +66,13 @@ VARIANTS: dict[str, dict] = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     variant = arg or "topk"
-    if variant not in VARIANTS:
-        raise ValueError(f"digits_mlp variant: unknown {variant!r}; choose from {list(VARIANTS)}")
     c = common.base()
     c.model.name = "mlp"
     c.model.kwargs = {"hidden": 128, "depth": 1}
     c.data.name = "digits"
     c.data.batch_size = 32
     c.optimizer.learning_rate = 0.1
-    common.apply_variant(c, VARIANTS[variant])
+    common.apply_variant(c, common.variant(VARIANTS, variant, "digits_mlp"))
     c.num_train_steps = 400
     c.steps_per_call = 50
     c.eval_every = 50

@@ -155,8 +155,6 @@ VARIANTS: dict[str, dict] = {
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     name = arg or "dense"
-    if name not in VARIANTS:
-        raise ValueError(f"config variant: unknown {name!r}; choose from {sorted(VARIANTS)}")
     c = common.base()
     c.model.name = "gpt"
     c.model.kwargs = {"dim": 128, "depth": 4, "heads": 4, "max_len": 128}
@@ -168,7 +166,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.optimizer.learning_rate = 2e-3
     c.optimizer.kwargs = {"b1": 0.9, "b2": 0.95, "weight_decay": 0.1}
     c.optimizer.schedule = {"name": "warmup_cosine", "warmup_steps": 100, "end_factor": 0.1}
-    common.apply_variant(c, VARIANTS[name])
+    common.apply_variant(c, common.variant(VARIANTS, name, "lm_shakespeare"))
     c.num_train_steps = 2000
     c.stop_after = 0  # 0: run every step; k: stop after k steps of the same schedule
     c.steps_per_call = 50
