@@ -14,7 +14,10 @@ windows as the JAX harness's worker of that index, under
   (rank ``--rank``, error feedback, warm start, ``start_powerSGD_iter=2``
   — torch needs >= 2 with error feedback — and min compression rate 2;
   1-D tensors go uncompressed, as with jaxcomm's ``policy="matrices"``);
-  one bucket (torch's hook fails on gloo with more than one).
+  one bucket (torch's hook fails on gloo with more than one);
+- ``ft_diloco`` / ``ft_streaming``: no DDP; torchft's DiLoCo / Streaming
+  DiLoCo at the study's ``diloco`` / ``streaming`` settings, each rank its own
+  replica group (:mod:`experiments.bench.torch_lm_ft`).
 
 It writes ``metrics.jsonl`` in the JAX harness's row format (``step``,
 ``loss``: the training loss's mean over the steps since the last row and over
@@ -33,6 +36,7 @@ Command (2 processes; ``experiments.launch`` sets the rendezvous)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -47,16 +51,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from experiments import data as data_lib
-from experiments.bench import torch_lm
+from experiments.bench import torch_lm, torch_lm_ft
 from experiments.bench.torch_peers import ByteCounter, init_env
 from experiments.configs import lm_shakespeare
 
 FLAGS = flags.FLAGS
-HOOKS = ("none", "fp16", "powersgd")
+HOOKS = ("none", "fp16", "powersgd", *torch_lm_ft.VARIANT)
 
 
 def define_flags() -> None:
-    flags.DEFINE_enum("hook", "none", HOOKS, "DDP communication hook")
+    flags.DEFINE_enum("hook", "none", HOOKS, "DDP communication hook, or torchft's DiLoCo")
     flags.DEFINE_integer("rank", 4, "PowerSGD's rank (jaxcomm's LM variant: 4)")
     flags.DEFINE_string("workdir", None, "where metrics.jsonl is written")
     flags.DEFINE_integer(
@@ -124,14 +128,19 @@ def main(argv) -> None:
     starts = torch_lm.batch_starts(FLAGS.seed, rank, range(stop), len(stream), per, seq)
     torch.manual_seed(FLAGS.seed)
     model = torch_lm.from_config(config)
-    ddp = wrap(model, FLAGS.hook, FLAGS.rank)
     opt, sched = torch_lm.adamw(model, config)
+    counter, outer = ByteCounter(), contextlib.nullcontext()
+    if FLAGS.hook in torch_lm_ft.VARIANT:  # torchft: each rank trains its own copy
+        ddp = model
+        outer, manager, lighthouse = torch_lm_ft.diloco(model, opt, FLAGS.hook, counter)
+    else:
+        ddp = wrap(model, FLAGS.hook, FLAGS.rank)
     os.makedirs(FLAGS.workdir, exist_ok=True)
     path = os.path.join(FLAGS.workdir, "metrics.jsonl")
     if rank == 0:
         open(path, "w").close()
-    counter, train_s, losses, t0 = ByteCounter(), 0.0, [], time.perf_counter()
-    with counter:
+    train_s, losses, t0 = 0.0, [], time.perf_counter()
+    with counter, outer:
         for step in range(stop):
             t = time.perf_counter()
             x, y = torch_lm.windows(stream, starts[step], seq)
@@ -157,6 +166,11 @@ def main(argv) -> None:
                        "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+    if FLAGS.hook in torch_lm_ft.VARIANT:
+        manager.shutdown(wait=False)
+        dist.barrier()  # every manager is done with the lighthouse
+        if lighthouse is not None:
+            lighthouse.shutdown()
     # every rank is done; leave without tearing the group down (torch's gloo teardown at
     # exit sometimes aborts: experiments/bench/torch_peers.py)
     dist.barrier()

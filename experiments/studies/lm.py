@@ -27,9 +27,10 @@ on the same training split and scored on the same windows
 learned more than n-gram statistics.
 
 The PyTorch peers (``TORCH``: DDP dense, with the fp16 hook, with the PowerSGD
-hook at jaxcomm's rank) run as methods of the study, through the same phases
-and verdict rules (:mod:`experiments.bench.torch_lm_train`; torch is the
-``peers`` extra).
+hook at jaxcomm's rank; torchft's DiLoCo and Streaming DiLoCo at the study's
+settings) run as methods of the study, through the same phases and verdict
+rules (:mod:`experiments.bench.torch_lm_train`; torch is the ``peers`` extra,
+torchft the ``ft`` extra; :mod:`experiments.studies.lm_methods`).
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -65,15 +66,10 @@ from absl import app, flags
 
 from experiments.configs import lm_shakespeare
 from experiments.studies import lm_figure, ngram, report, runs
+from experiments.studies.lm_methods import METHODS, TORCH, sync_period
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
-#: What a PyTorch user would run instead, on the same model, data, AdamW and schedule
-#: (:mod:`experiments.bench.torch_lm_train`): method -> DDP communication hook.
-TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd"}
-METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
-           "diloco_h1", "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
-           "muon", "demo", "demo_full", *TORCH]  # fmt: skip
 
 
 def define_flags() -> None:
@@ -118,12 +114,6 @@ def workload() -> dict:
         "steps": FLAGS.steps or c.num_train_steps, "eval_every": c.eval_every,
         "learning_rate": c.optimizer.learning_rate, "schedule": dict(c.optimizer.schedule),
     }  # fmt: skip
-
-
-def sync_period(method: str) -> int:
-    """Inner steps between a method's exchanges (1 for every-step methods)."""
-    wrapper = lm_shakespeare.VARIANTS.get(method, {}).get("wrapper")  # TORCH: every step
-    return int(wrapper[1]) if wrapper else 1
 
 
 def training_argv(
@@ -254,11 +244,13 @@ def main(argv: list[str]) -> None:
         runs.save_json(FLAGS.out, results)
 
     torch_methods = sorted(set(FLAGS.methods) & set(TORCH))
-    if torch_methods and importlib.util.find_spec("torch") is None:
-        raise ValueError(
-            f"--methods: {torch_methods} run PyTorch DDP, which is not installed (the peers "
-            'extra: pip install -e ".[peers]"); or leave them out of --methods'
-        )
+    ft_methods = [m for m in torch_methods if TORCH[m].startswith("ft_")]
+    for missing, want, extra in (("torch", torch_methods, "peers"), ("torchft", ft_methods, "ft")):
+        if want and importlib.util.find_spec(missing) is None:
+            raise ValueError(
+                f"--methods: {want} need {missing}, which is not installed (the {extra} "
+                f'extra: pip install -e ".[{extra}]"); or leave them out of --methods'
+            )
     phases = set(FLAGS.phases)
     if not phases <= set(PHASES):
         raise ValueError(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {PHASES}")

@@ -17,53 +17,22 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import verdict
+from experiments.studies.lm_methods import COUNTERPART, peak_factor
 
 RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
 RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s",
               "10mbit": "10 Mbit/s"}  # fmt: skip
-OPTIMIZER = {  # what each method's update is, beside the shared AdamW + warm-up/cosine
-    "diloco": "AdamW inner, Nesterov outer (H=10)",
-    "diloco_h1": "AdamW, Nesterov outer every step",
-    "streaming": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
-    "streaming_int8": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
-    "streaming_q4": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
-    "sparseloco": "AdamW inner, outer step 1 on top-k + 2-bit codes with EF (H=10)",
-    "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
-    "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
-}
 # methods whose code changed after their runs: marked † in the tables, with the reason
 SUPERSEDED = {
     "threshold": "ran the two-period selection that jaxcomm.threshold had until commit 58d4ac7 "
     "(0.70 of the true top-k sent on i.i.d. entries; today's sends 0.97, "
     "experiments/results/threshold_fill.json); not re-run since",
 }
-# methods that are optimizers: their own dense baseline, named when it is in the results
-COUNTERPART: dict[str, str] = {
-    "muloco": "muon",  # dense Muon
-    "demo": "demo_full",  # DeMo's optimizer without its compression
-    **{m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4",
-                                "sparseloco")},
-}  # fmt: skip
 NGRAM_NAMES = {"1": "unigram", "2": "bigram", "3": "trigram"}
 
 
 def label(method: str) -> str:
     return f"{method} †" if method in SUPERSEDED else method
-
-
-def peak_factor(method: str) -> float:
-    """Peak bytes of one step / mean bytes per step, from the method's config variant.
-
-    Methods that sync every ``H`` steps send everything at once (``H``); Streaming
-    DiLoCo sends one of ``P`` fragments ``P`` times per ``H`` steps (``H / P``).
-    """
-    from experiments.configs import lm_shakespeare
-
-    v = lm_shakespeare.VARIANTS.get(method, {})
-    if "wrapper" not in v:
-        return 1.0
-    name, every, *more = v["wrapper"]
-    return every / (more[0].get("fragments", 1) if more else 1)
 
 
 def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:

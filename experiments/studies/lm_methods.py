@@ -1,0 +1,65 @@
+"""The LM study's methods: their names, what each runs, and the facts the tables need.
+
+A method is a variant of :mod:`experiments.configs.lm_shakespeare` (the JAX
+harness) or one of :data:`TORCH` (the PyTorch twin,
+:mod:`experiments.bench.torch_lm_train`): DDP with a communication hook, or
+torchft's DiLoCo / Streaming DiLoCo, whose hook ``ft_<variant>`` runs the
+schedule of the study's ``<variant>`` (:func:`variant`).
+"""
+
+from __future__ import annotations
+
+from experiments.configs import common, lm_shakespeare
+
+#: What a PyTorch user would run instead, on the same model, data, AdamW and schedule:
+#: method -> ``torch_lm_train --hook``.
+TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd",
+         "torchft_diloco": "ft_diloco", "torchft_streaming": "ft_streaming"}  # fmt: skip
+METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
+           "diloco_h1", "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
+           "muon", "demo", "demo_full", *TORCH]  # fmt: skip
+#: What each method's update is, beside the shared AdamW + warm-up/cosine.
+OPTIMIZER = {
+    "diloco": "AdamW inner, Nesterov outer (H=10)",
+    "diloco_h1": "AdamW, Nesterov outer every step",
+    "streaming": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "streaming_int8": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "streaming_q4": "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments)",
+    "sparseloco": "AdamW inner, outer step 1 on top-k + 2-bit codes with EF (H=10)",
+    "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
+    "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
+    "torchft_diloco": "torchft DiLoCo: AdamW inner, Nesterov outer (H=10)",
+    "torchft_streaming": "torchft Streaming DiLoCo: AdamW inner, Nesterov outer per fragment",
+}
+#: Methods that are optimizers or outer loops: their own dense baseline.
+COUNTERPART: dict[str, str] = {
+    "muloco": "muon",  # dense Muon
+    "demo": "demo_full",  # DeMo's optimizer without its compression
+    **{m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4",
+                                "sparseloco", "torchft_diloco", "torchft_streaming")},
+}  # fmt: skip
+
+
+def variant(method: str) -> str:
+    """The config variant whose exchange schedule ``method`` runs (DDP's: ``dense``)."""
+    hook = TORCH.get(method)
+    if hook is None:
+        return method
+    return hook.removeprefix("ft_") if hook.startswith("ft_") else "dense"
+
+
+def sync_period(method: str) -> int:
+    """Inner steps between a method's rounds (1 for every-step methods)."""
+    return common.comm_every(lm_shakespeare.get_config(variant(method)))
+
+
+def peak_factor(method: str) -> float:
+    """Peak bytes of one step / mean bytes per step.
+
+    Methods that sync every ``H`` steps send everything at once (``H``); Streaming
+    DiLoCo sends one of ``P`` fragments ``P`` times per ``H`` steps (``H / P``).
+    """
+    if method not in TORCH and method not in lm_shakespeare.VARIANTS:
+        return 1.0  # a method of an older study
+    c = lm_shakespeare.get_config(variant(method))
+    return sync_period(method) / (c.wrapper.get("fragments", 1) if c.wrapper.name != "none" else 1)
