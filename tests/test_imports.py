@@ -8,11 +8,17 @@ wrappers over lax collectives) nothing but the ledger;
 ``buckets`` (tensor fusion) are built on them; ``accounting`` reads the ledger
 and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) sits on top.
 The training harness (``experiments.train`` over ``optimizers`` and
-``checkpoints``) and what it imports have no cycle either.
+``checkpoints``) and what it imports have no cycle either. The user guide
+(``jaxcomm.guide``) is an index and chapters of docstrings, none over 400 lines,
+each a page of the API docs.
 """
 
 import ast
 import pathlib
+
+import pdoc.doc
+
+import jaxcomm.guide
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxcomm"
@@ -21,9 +27,9 @@ EXPERIMENTS = ROOT / "experiments"
 # bench.auto, studies.lm, studies.lm_figure, studies.tables and bench.step_parts import each
 # other (lazily, inside functions) in a cycle.
 HARNESS = ("experiments.train", "experiments.optimizers", "experiments.checkpoints")
-# the package's __init__ (it imports everything, and importing any submodule runs it first),
-# the guide (a docstring only) and the optional flax integration: not read as importers
-NOT_SOURCES = {"jaxcomm/__init__.py", "jaxcomm/guide.py", "jaxcomm/flax.py"}
+# the package's __init__ (it imports everything, and importing any submodule runs it first)
+# and the optional flax integration: not read as importers
+NOT_SOURCES = {"jaxcomm/__init__.py", "jaxcomm/flax.py"}
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
@@ -164,8 +170,8 @@ def test_the_harness_modules_import_each_other_without_a_cycle():
 # --- size ---------------------------------------------------------------------------------
 
 MAX_MODULE_LINES = 500
-# jaxcomm/guide.py is the user guide, one docstring and no code: it moves to docs pages later
-LONG_MODULES = {"jaxcomm/guide.py"}
+# The modules allowed over MAX_MODULE_LINES: none (the user guide is pages of jaxcomm/guide/)
+LONG_MODULES: set[str] = set()
 MAX_FUNCTION_LINES = 80
 # The functions over MAX_FUNCTION_LINES (closures included, docstrings counted) when this
 # check came in: the remaining work of issue 43 (split each into stages, then drop it from
@@ -243,3 +249,47 @@ def test_no_new_function_is_over_80_lines():
     found = long_functions()
     assert found - LONG_FUNCTIONS == set(), "split these into stages of ~30 lines (issue 43)"
     assert LONG_FUNCTIONS - found == set(), "these are short now: drop them from LONG_FUNCTIONS"
+
+
+# --- the user guide -----------------------------------------------------------------------
+
+GUIDE = PACKAGE / "guide"
+MAX_CHAPTER_LINES = 400
+
+
+def docstring_only(path: pathlib.Path) -> bool:
+    """Whether the module at ``path`` is its docstring and at most an ``__all__``."""
+    body = ast.parse(path.read_text(), str(path)).body
+    names = [t.id for node in body[1:] if isinstance(node, ast.Assign) for t in node.targets]
+    first = body[0] if body else None
+    return (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+        and len(names) == len(body) - 1
+        and set(names) <= {"__all__"}
+    )
+
+
+def test_the_guide_is_an_index_of_short_docstring_chapters_that_the_docs_build_lists():
+    chapters = sorted(p.stem for p in GUIDE.glob("*.py") if p.name != "__init__.py")
+    assert chapters and sorted(jaxcomm.guide.__all__) == chapters
+    assert long_modules(MAX_CHAPTER_LINES, GUIDE) == set(), "split the chapter at a seam"
+    assert [p.name for p in GUIDE.glob("*.py") if not docstring_only(p)] == []
+    for name in chapters:  # the index links every chapter (pdoc turns the name into a link)
+        assert f"`jaxcomm.guide.{name}`" in jaxcomm.guide.__doc__, name
+    # pdoc (the API docs' build) renders jaxcomm.guide and a page per chapter, in the index's order
+    assert "jaxcomm.guide" in [m.modulename for m in pdoc.doc.Module(jaxcomm).submodules]
+    listed = [m.modulename for m in pdoc.doc.Module(jaxcomm.guide).submodules]
+    assert listed == [f"jaxcomm.guide.{name}" for name in jaxcomm.guide.__all__]
+
+
+def test_docstring_only_refuses_code(tmp_path):
+    cases = {
+        "a.py": '"""Doc."""\n__all__ = ["b"]\n',
+        "b.py": '"""Doc."""\nx = 1\n',
+        "c.py": "x = 1\n",
+    }
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+    assert [docstring_only(tmp_path / n) for n in sorted(cases)] == [True, False, False]
