@@ -39,6 +39,12 @@ bit as a per-leaf collective would deliver it.
   are compressed and few buckets suit them: ResNet-18's EF-sign took 0.61x
   per leaf in 25 MiB buckets, 0.76x in 1 MiB ones (one run, cases in a
   random order each round: ``experiments/results/buckets.md``).
+
+The bucketed collectives take a *list* of arrays and carry their own names
+(:func:`bucketed_psum`, :func:`bucketed_pmax`, :func:`bucketed_pmean`,
+:func:`bucketed_psum_scatter`, :func:`bucketed_all_to_all`,
+:func:`bucketed_all_gather`); the collectives over a pytree, one per leaf,
+are :mod:`jaxcomm.collectives`'.
 """
 
 from __future__ import annotations
@@ -59,17 +65,17 @@ __all__ = [
     "CPU_BUCKET_BYTES",
     "DEFAULT_BUCKET_BYTES",
     "GATHER_SUM_BYTES",
-    "all_gather",
-    "all_to_all",
+    "bucketed_all_gather",
+    "bucketed_all_to_all",
+    "bucketed_pmax",
+    "bucketed_pmean",
+    "bucketed_psum",
+    "bucketed_psum_scatter",
     "check_bucket_bytes",
     "default_bucket_bytes",
     "gathers_sum",
     "pack",
     "plan",
-    "pmean",
-    "pmax",
-    "psum",
-    "psum_scatter",
     "sum_over",
 ]
 
@@ -311,7 +317,7 @@ def _reduce(arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes, op) 
     return out
 
 
-def psum(
+def bucketed_psum(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """Sum of every array over ``axis_name``: one all-reduce per bucket of one dtype.
@@ -330,22 +336,22 @@ def psum(
     return _reduce(arrays, axis_name, bucket_bytes, sum_over)
 
 
-def pmax(
+def bucketed_pmax(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """Elementwise max over workers (``collectives.agree``), one all-reduce per bucket."""
     return _reduce(arrays, axis_name, bucket_bytes, collectives.agree)
 
 
-def pmean(tree: Any, axis_name: AxisName, bucket_bytes: int | None) -> Any:
+def bucketed_pmean(tree: Any, axis_name: AxisName, bucket_bytes: int | None) -> Any:
     """Mean of every leaf of ``tree`` over ``axis_name``, in the leaf's dtype, bucketed."""
     leaves, treedef = jax.tree.flatten(tree)
     n = collectives.axis_size(axis_name)
-    sums = psum(leaves, axis_name, bucket_bytes)
+    sums = bucketed_psum(leaves, axis_name, bucket_bytes)
     return treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
 
 
-def psum_scatter(
+def bucketed_psum_scatter(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """This worker's chunk of the sum of each ``(n * c_i,)`` array: one reduce-scatter per bucket.
@@ -395,7 +401,7 @@ def _from_bytes(b: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
     return x.reshape((n,) + tuple(shape))
 
 
-def all_to_all(
+def bucketed_all_to_all(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """Row exchange (:func:`jaxcomm.collectives.all_to_all`) of ``(n, ...)`` arrays, bucketed.
@@ -432,7 +438,7 @@ def _rows_to_bytes(x: jax.Array, n: int) -> jax.Array:
     return lax.bitcast_convert_type(flat, jnp.uint8).reshape(n, -1)
 
 
-def all_gather(
+def bucketed_all_gather(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """Every worker's copy of every array: one all-gather of raw bytes per bucket.

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import buckets, checks, exchange, strategies
+from jaxcomm import buckets, checks, collectives, exchange, strategies
 from jaxcomm.protocol import (
     Compressor,
     CompressorBase,
@@ -68,7 +68,7 @@ def _start(compressor: Compressor, updates: Any, state: Any, config: Config) -> 
     )
     with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
     check_float_leaves(with_path, "updates")
-    _xc.check_per_worker(updates, config.axis_name)
+    collectives.check_per_worker(updates, config.axis_name)
     grads = [g for _, g in with_path]
     residuals = treedef.flatten_up_to(state.residual) if config.error_feedback else None
     return Step(treedef, with_path, grads, residuals)
@@ -81,9 +81,9 @@ def _step_key(compressor: Compressor, step: Step, state: Any, config: Config) ->
         new_key, step_key = jax.random.split(state.key)
         if config.axis_name is not None:
             if compressor.per_worker_key:
-                step_key = jax.random.fold_in(step_key, _xc.axis_index(config.axis_name))
+                step_key = jax.random.fold_in(step_key, collectives.axis_index(config.axis_name))
             else:  # one 8-byte all-reduce: identical (and invariant-typed) everywhere
-                step_key = _xc.agree(step_key, config.axis_name)
+                step_key = collectives.agree(step_key, config.axis_name)
     return step._replace(new_key=new_key, step_key=step_key)
 
 
@@ -137,7 +137,7 @@ def _strategy(compressor: Compressor, step: Step, state: Any, config: Config) ->
     if axis_name is None:
         return strategies.local
     if mode == "reduce_scatter":
-        n = _xc.axis_size(axis_name)
+        n = collectives.axis_size(axis_name)
         for path, g in step.with_path:
             if g.ndim == 0 or g.shape[0] % n:
                 raise ValueError(
@@ -146,12 +146,15 @@ def _strategy(compressor: Compressor, step: Step, state: Any, config: Config) ->
                 )
         return strategies.reduce_scatter
     specs = [(v.shape[0], v.dtype) for v in step.vecs]
-    if _xc.choose_exchange(mode, compressor, specs, _xc.axis_size(axis_name)) != "two_phase":
+    if (
+        _xc.choose_exchange(mode, compressor, specs, collectives.axis_size(axis_name))
+        != "two_phase"
+    ):
         return strategies.gather
     if config.error_feedback and state.server is None:
         raise ValueError(
             f"state.server is None, but exchange={mode!r} runs the two-phase exchange on "
-            f"{_xc.axis_size(axis_name)} workers for these updates and needs its server "
+            f"{collectives.axis_size(axis_name)} workers for these updates and needs its server "
             "residual: the state was made by init on an axis size where 'auto' picks "
             "'gather' (or saved by a transform with exchange='gather'). Make the state with "
             "tx.init(params) outside shard_map, or build the transform with "
@@ -179,7 +182,7 @@ def _new_state(step: Step, state: Any, memory: Memory, config: Config) -> Any:
 def compress(
     compressor: Compressor,
     *,
-    axis_name: exchange.AxisName | None = None,
+    axis_name: collectives.AxisName | None = None,
     error_feedback: bool = True,
     min_size: int = 1024,
     key: jax.Array | None = None,
@@ -267,7 +270,7 @@ def compress(
 
     Integer or bool leaves raise ``TypeError``: filter them out first.
     """
-    axis_name = _xc.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}; "
@@ -303,7 +306,7 @@ def compress(
         check_float_leaves(leaves, "params")
         server = error_feedback and axis_name is not None and mode in ("two_phase", "auto")
         if server and mode == "auto":  # n where init sees the axis, else "on some n"
-            n = _xc.bound_axis_size(axis_name)
+            n = collectives.bound_axis_size(axis_name)
             specs = vector_specs([x for _, x in leaves])
             server = _xc.choose_exchange(mode, compressor, specs, n) == "two_phase"
         residual = (

@@ -14,10 +14,13 @@ communicates; each records what it sends in the :mod:`jaxcomm.ledger` while
   means) and its first phase alone, with :func:`choose_exchange` picking
   between the all-gather and the two-phase exchange for ``exchange="auto"``.
 
-The collectives and the ledger lived here before and stay importable from
-this module (``jaxcomm.exchange.psum``, ``jaxcomm.exchange.recording``, ...).
+The collectives have one home, :mod:`jaxcomm.collectives` (over a pytree)
+and :mod:`jaxcomm.buckets` (``bucketed_*``, over a list); the byte ledger is
+:mod:`jaxcomm.ledger`.
 """
 
+import importlib
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,32 +30,27 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import accounting, buckets
-from jaxcomm.collectives import (  # noqa: F401  (the collectives are re-exported from here)
-    AxisName,
-    agree,
-    all_gather,
-    all_to_all,
-    as_varying,
-    axis_index,
-    axis_size,
-    bound_axis_size,
-    check_axis_name,
-    check_per_worker,
-    is_manual_axis,
-    moved_itemsize,
-    pmean,
-    ppermute,
-    psum,
-    psum_scatter,
-)
-from jaxcomm.ledger import (  # noqa: F401  (so is the byte ledger)
-    BACKENDS,
-    MARKER,
-    Collective,
-    backend,
-    recording,
-)
+from jaxcomm import accounting, buckets, collectives
+
+# names that lived here before and moved to the module that owns them: still found here,
+# with a DeprecationWarning naming the one import path
+_MOVED = dict.fromkeys(
+    "AxisName agree all_gather all_to_all as_varying axis_index axis_size bound_axis_size "
+    "check_axis_name check_per_worker is_manual_axis moved_itemsize pmean ppermute psum "
+    "psum_scatter".split(),
+    "jaxcomm.collectives",
+) | dict.fromkeys("BACKENDS MARKER Collective backend recording".split(), "jaxcomm.ledger")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"jaxcomm.exchange.{name} moved: import it from {_MOVED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def ring_allreduce(tree: Any, axis_name: str) -> Any:
@@ -81,7 +79,7 @@ def ring_allreduce(tree: Any, axis_name: str) -> Any:
     """
     if not isinstance(axis_name, str):
         raise TypeError(f"axis_name: ring_allreduce runs over one axis (a str), got {axis_name!r}")
-    n = axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     return jax.tree.map(lambda x: _ring_leaf(x, axis_name, n), tree)
 
 
@@ -91,15 +89,15 @@ def _ring_leaf(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     size = x.size
     c = -(-size // n)
     chunks = jnp.pad(x.reshape(-1), (0, n * c - size)).reshape(n, c)
-    me = axis_index(axis_name)
+    me = collectives.axis_index(axis_name)
     right = [(i, (i + 1) % n) for i in range(n)]
     # reduce-scatter: after step s, chunk (me - s - 1) holds s + 2 workers' sum.
     for s in range(n - 1):
-        received = ppermute(chunks[(me - s) % n], axis_name, right)
+        received = collectives.ppermute(chunks[(me - s) % n], axis_name, right)
         chunks = chunks.at[(me - s - 1) % n].add(received)
     # worker `me` now holds the full sum of chunk (me + 1); pass the sums around.
     for s in range(n - 1):
-        received = ppermute(chunks[(me + 1 - s) % n], axis_name, right)
+        received = collectives.ppermute(chunks[(me + 1 - s) % n], axis_name, right)
         chunks = chunks.at[(me - s) % n].set(received)
     return chunks.reshape(-1)[:size].reshape(x.shape)
 
@@ -193,12 +191,12 @@ def hierarchical(
                 f"state: expected the HierarchicalState made by this transform's init, got "
                 f"{type(state).__name__}"
             )
-        check_per_worker(updates, (inner_axis,))
+        collectives.check_per_worker(updates, (inner_axis,))
         if inner_size is None:
-            updates = buckets.pmean(updates, inner_axis, bucket_bytes)
+            updates = buckets.bucketed_pmean(updates, inner_axis, bucket_bytes)
             out, inner = tx.update(updates, state.inner, params)
             return out, HierarchicalState(inner)
-        n = axis_size(inner_axis)
+        n = collectives.axis_size(inner_axis)
         if n != inner_size:
             raise ValueError(
                 f"inner_size: the transform was built for {inner_size} workers on "
@@ -206,13 +204,13 @@ def hierarchical(
             )
 
         leaves, treedef = jax.tree.flatten(updates)
-        sums = buckets.psum_scatter(
+        sums = buckets.bucketed_psum_scatter(
             [flat_padded(g, shard_len(g)) for g in leaves], inner_axis, bucket_bytes
         )
         shards = treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
         shard_params = None
         if params is not None:
-            me = axis_index(inner_axis)
+            me = collectives.axis_index(inner_axis)
             shard_params = jax.tree.map(
                 lambda p: lax.dynamic_slice_in_dim(
                     flat_padded(p, shard_len(p)), me * shard_len(p), shard_len(p)
@@ -220,7 +218,9 @@ def hierarchical(
                 params,
             )
         out_shards, inner = tx.update(shards, state.inner, shard_params)
-        gathered = buckets.all_gather(jax.tree.leaves(out_shards), inner_axis, bucket_bytes)
+        gathered = buckets.bucketed_all_gather(
+            jax.tree.leaves(out_shards), inner_axis, bucket_bytes
+        )
         out = [o.reshape(-1)[: np.size(g)].reshape(jnp.shape(g)) for o, g in zip(gathered, leaves)]
         return treedef.unflatten(out), HierarchicalState(inner)
 
@@ -241,7 +241,7 @@ def _phase_one(compressor, vecs, keys, axis_name, bucket_bytes, flag, dense=()):
     ``dense`` (uncompressed, riding as raw words too) the sum over workers of
     its chunk j, ``(ceil(size/n),)``.
     """
-    n = axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     layout, chunk_keys, phase1, own = [], [], [], []
     for v, k in zip(vecs, keys):
         d = v.shape[0]
@@ -265,7 +265,7 @@ def _phase_one(compressor, vecs, keys, axis_name, bucket_bytes, flag, dense=()):
     flat += [_dense_rows(x, n) for x in dense]
     if flag is not None:
         flat.append(jnp.broadcast_to((~flag).astype(jnp.uint8), (n, 1)))
-    moved = buckets.all_to_all(flat, axis_name, bucket_bytes)
+    moved = buckets.bucketed_all_to_all(flat, axis_name, bucket_bytes)
     received, i = [], 0
     for payload in phase1:
         received.append(tuple(moved[i : i + len(payload)]))
@@ -286,7 +286,7 @@ def reduce_scatter(
     vecs: list[jax.Array],
     keys: list[jax.Array | None],
     ok: jax.Array,
-    axis_name: AxisName,
+    axis_name: collectives.AxisName,
     bucket_bytes: int | None,
 ) -> tuple[list[jax.Array], list[jax.Array], jax.Array]:
     """Compressed reduce-scatter: this worker's chunk of the worker mean of each vector.
@@ -302,7 +302,7 @@ def reduce_scatter(
     decode to, ``(d,)``, for its residual; whether every worker's vectors
     were finite (the flags ride in the all-to-all).
     """
-    n = axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     layout, _, own, received, flags, _ = _phase_one(
         compressor, vecs, keys, axis_name, bucket_bytes, flag=ok
     )
@@ -405,7 +405,7 @@ def two_phase(
     keys: list[jax.Array | None],
     servers: list[jax.Array | None],
     ok: jax.Array,
-    axis_name: AxisName,
+    axis_name: collectives.AxisName,
     bucket_bytes: int | None,
     dense: Sequence[jax.Array] = (),
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array | None], jax.Array, list[jax.Array]]:
@@ -448,8 +448,8 @@ def two_phase(
       its own residual ``v - own``; the new server residuals; whether every
       worker's vectors were finite; the sums over workers of ``dense``.
     """
-    n = axis_size(axis_name)
-    me = axis_index(axis_name)
+    n = collectives.axis_size(axis_name)
+    me = collectives.axis_index(axis_name)
     layout, chunk_keys, own, received, _, dense_chunks = _phase_one(
         compressor, vecs, keys, axis_name, bucket_bytes, flag=None, dense=dense
     )
@@ -473,7 +473,7 @@ def two_phase(
             new_servers.append(None)
     # the NaN rule's flag (1 byte) rides in the all-gather: every worker sees all n
     flat = [x for p in phase2 for x in p] + dense_chunks + [(~ok).astype(jnp.uint8)]
-    gathered = buckets.all_gather(flat, axis_name, bucket_bytes)
+    gathered = buckets.bucketed_all_gather(flat, axis_name, bucket_bytes)
     ok = ~jnp.any(gathered[-1] > 0)
     sums = [
         rows.reshape(-1)[: x.size].reshape(x.shape)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm import buckets, exchange
+from jaxcomm import buckets, collectives, exchange
 
 Payload = tuple[jax.Array, ...]
 
@@ -101,7 +101,7 @@ def _encode_all(
     compressor: Any,
     vecs: list[jax.Array],
     keys: list[jax.Array | None],
-    axis_name: exchange.AxisName | None,
+    axis_name: collectives.AxisName | None,
     bucket_bytes: int | None,
 ) -> list[tuple[Payload, Any]]:
     """``(payload, aux)`` of every vector.
@@ -113,7 +113,7 @@ def _encode_all(
     """
     if axis_name is not None and vecs and compressor.agrees:
         values = [compressor.to_agree(v, k) for v, k in zip(vecs, keys)]
-        agreed = buckets.pmax(values, axis_name, bucket_bytes)
+        agreed = buckets.bucketed_pmax(values, axis_name, bucket_bytes)
         out = [compressor.encode_agreed(v, k, a) for v, k, a in zip(vecs, keys, agreed)]
     else:
         out = [compressor.encode(v, k) for v, k in zip(vecs, keys)]
@@ -286,7 +286,7 @@ def _wire(
     first bucket (see :func:`_flag`). Returns every group's received payload,
     whether every worker's ``g + e`` was finite, and the number of workers.
     """
-    n = exchange.axis_size(config.axis_name)
+    n = collectives.axis_size(config.axis_name)
     first = {group[0]: gi for gi, group in enumerate(step.groups)}
     summed, gathered = [], []  # (leaf or group id, array)
     dest = summed if compressor.kind == "psum" else gathered
@@ -301,8 +301,10 @@ def _wire(
             dest.extend((("group", first[i]), x) for x in encoded[first[i]][0])
     if step.groups and not compressor.carries_nonfinite:
         dest.append((("flag", 0), _flag(ok, encoded[-1][0], compressor.kind)))
-    sums = buckets.psum([x for _, x in summed], config.axis_name, config.bucket_bytes)
-    gath = buckets.all_gather([x for _, x in gathered], config.axis_name, config.bucket_bytes)
+    sums = buckets.bucketed_psum([x for _, x in summed], config.axis_name, config.bucket_bytes)
+    gath = buckets.bucketed_all_gather(
+        [x for _, x in gathered], config.axis_name, config.bucket_bytes
+    )
     parts: dict[int, list[jax.Array]] = {gi: [] for gi in range(len(step.groups))}
     for (tag, j), x in zip([t for t, _ in summed] + [t for t, _ in gathered], sums + gath):
         if tag == "leaf":
@@ -350,7 +352,7 @@ def two_phase(compressor: Any, step: Step, state: Any, config: Config) -> tuple[
     """:func:`jaxcomm.exchange.two_phase` for the payloads; error feedback on both sides."""
     ok = _all_finite(step.vecs)
     axis_name, bucket_bytes, ef = config.axis_name, config.bucket_bytes, config.error_feedback
-    n = exchange.axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     outputs: list[jax.Array | None] = [None] * len(step.grads)
     dense_ids = sorted(step.dense)
     server_leaves = step.treedef.flatten_up_to(state.server) if ef else None
@@ -379,11 +381,13 @@ def reduce_scatter(compressor: Any, step: Step, state: Any, config: Config) -> t
     """
     ok = _all_finite(step.vecs)
     axis_name, bucket_bytes, grads = config.axis_name, config.bucket_bytes, step.grads
-    n = exchange.axis_size(axis_name)
+    n = collectives.axis_size(axis_name)
     shard = [(g.shape[0] // n,) + g.shape[1:] for g in grads]
     outputs: list[jax.Array | None] = [None] * len(grads)
     dense_ids = sorted(step.dense)
-    sums = buckets.psum_scatter([grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes)
+    sums = buckets.bucketed_psum_scatter(
+        [grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes
+    )
     for i, x in zip(dense_ids, sums):
         outputs[i] = (x / jnp.asarray(n, x.dtype)).reshape(shard[i])
     chunks, own, ok = exchange.reduce_scatter(

@@ -11,7 +11,7 @@ import pytest
 
 import jaxcomm
 from jaxcomm import accounting, buckets, exchange, netsim
-from jaxcomm.exchange import Collective
+from jaxcomm.ledger import Collective
 from tests import helpers as H
 from tests.test_registry import REGISTRY
 
@@ -339,7 +339,7 @@ def test_all_gather_bucket_round_trips_mixed_dtypes():
         return [(x + w.astype(x.dtype) * 3).astype(x.dtype) for x in base]
 
     def f(w):
-        return tuple(buckets.all_gather(mine(w), "data", 1 << 20))
+        return tuple(buckets.bucketed_all_gather(mine(w), "data", 1 << 20))
 
     workers = jnp.arange(4)
     out = jax.vmap(f, axis_name="data")(workers)  # (receiver, sender, ...)
@@ -364,8 +364,10 @@ def test_auto_buckets_sums_small_and_gathers_large_on_cpu():
 
     # sums: 1 MiB buckets, one payload each (XLA may combine them into one instruction);
     # gathers: one 25 MiB bucket
-    assert sum(k == "all_reduce" and m for k, m in kinds(buckets.psum)) == 3, kinds(buckets.psum)
-    assert kinds(buckets.all_gather) == [("all_gather", 1)]
+    assert sum(k == "all_reduce" and m for k, m in kinds(buckets.bucketed_psum)) == 3, kinds(
+        buckets.bucketed_psum
+    )
+    assert kinds(buckets.bucketed_all_gather) == [("all_gather", 1)]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "25MB", "Auto"])
@@ -419,7 +421,7 @@ def test_two_phase_collectives_send_a_payload_larger_than_a_bucket_as_it_is(kind
     def program(bucket_bytes):
         def f(*xs):
             xs = [x[0] if kind == "all_to_all" else x[0].reshape(-1) for x in xs]
-            return [g[None] for g in getattr(buckets, kind)(xs, "data", bucket_bytes)]
+            return [g[None] for g in getattr(buckets, f"bucketed_{kind}")(xs, "data", bucket_bytes)]
 
         return jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=spec, out_specs=spec))
 

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm import exchange
+from jaxcomm import exchange, ledger
 from tests import helpers as H
 
 
@@ -38,9 +38,9 @@ def test_ring_allreduce_equals_psum_and_moves_2_n_minus_1_chunks(shape):
     assert [c.kind for c in hlo] == ["collective_permute"] * (2 * (H.N - 1))
     assert sum(c.nbytes for c in hlo) == 2 * (H.N - 1) * chunk
     # the traced accounting agrees, and per worker it is 2(n-1)/n of the (padded) payload
-    with exchange.recording(H.N) as ledger:
+    with ledger.recording(H.N) as book:
         jax.make_jaxpr(lambda v: exchange.ring_allreduce(v, "data"))(x[0])
-    assert sum(c.nbytes for c in ledger.collectives) == 2 * (H.N - 1) * chunk
+    assert sum(c.nbytes for c in book.collectives) == 2 * (H.N - 1) * chunk
 
 
 MESH2 = ("node", "local")

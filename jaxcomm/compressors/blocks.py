@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomm import exchange
-from jaxcomm.exchange import AxisName
+from jaxcomm import collectives
+from jaxcomm.collectives import AxisName
 
 __all__ = [
     "UNROLL",
@@ -35,7 +35,7 @@ def require_key(key: Any, why: str) -> None:
 
 def axis_workers(axis_name: AxisName | None) -> int:
     """Static number of workers on ``axis_name`` (1 without an axis)."""
-    return 1 if axis_name is None else exchange.axis_size(axis_name)
+    return 1 if axis_name is None else collectives.axis_size(axis_name)
 
 
 def buckets(p: jax.Array, bucket_size: int) -> jax.Array:

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import core, exchange
+from jaxcomm import collectives, core, ledger
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 
 
 class DenseState(core.CompressState):
@@ -37,7 +37,7 @@ class Dense(core.CompressorBase):
         return payload[0].astype(dtype)
 
     def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
-        return d * exchange.moved_itemsize(dtype)  # bf16 sums move 4 bytes on XLA:CPU
+        return d * collectives.moved_itemsize(dtype)  # bf16 sums move 4 bytes on XLA:CPU
 
 
 def allreduce(
@@ -108,11 +108,11 @@ class Cast(core.CompressorBase):
         self.axis_name = axis_name
 
     def _n(self) -> int:
-        return exchange.axis_size(self.axis_name) if self.prediv else 1
+        return collectives.axis_size(self.axis_name) if self.prediv else 1
 
     def widened(self) -> bool:
         """Whether the fp16 psum runs in float32 (on the CPU backend; see the class doc)."""
-        return self.prediv and exchange.backend() == "cpu"
+        return self.prediv and ledger.backend() == "cpu"
 
     def encode(self, p, key):
         n = self._n()
@@ -140,7 +140,7 @@ class Cast(core.CompressorBase):
         if self.kind == "all_gather":  # uint16 words on every backend
             return d * 2
         # the psum: fp16 widened by us on CPU, bf16 by XLA:CPU (both 4 bytes there)
-        return d * (4 if self.widened() else exchange.moved_itemsize(self.dtype))
+        return d * (4 if self.widened() else collectives.moved_itemsize(self.dtype))
 
 
 def cast(
@@ -250,7 +250,7 @@ def cast(
 def _by_backend(
     *, cpu: optax.GradientTransformation, other: optax.GradientTransformation
 ) -> optax.GradientTransformation:
-    """``cpu`` on the CPU backend, ``other`` on GPU/TPU (:func:`jaxcomm.exchange.backend`).
+    """``cpu`` on the CPU backend, ``other`` on GPU/TPU (:func:`jaxcomm.ledger.backend`).
 
     The backend is read each time init or update runs (at trace time), not
     here: a factory that started JAX would break ``jax.distributed.initialize``
@@ -258,7 +258,7 @@ def _by_backend(
     """
 
     def pick() -> optax.GradientTransformation:
-        return cpu if exchange.backend() == "cpu" else other
+        return cpu if ledger.backend() == "cpu" else other
 
     def init_fn(params):
         return pick().init(params)

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core, exchange
+from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 
 __all__ = ["PowerSGDState", "leaf_plan", "powersgd", "orthogonalize"]
 
@@ -315,7 +315,7 @@ def powersgd(
       arXiv:1905.13727. PyTorch ``torch.distributed.algorithms.ddp_comm_hooks.
       powerSGD_hook``.
     """
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     rank = checks.check_int(rank, "rank", 1)
     start_iter = checks.check_int(start_iter, "start_iter", 0)
     min_rate = checks.check_float(
@@ -350,7 +350,7 @@ def powersgd(
         )
 
     def dense_step(grads, state):
-        out = grads if axis_name is None else buckets.pmean(grads, axis_name, bucket_bytes)
+        out = grads if axis_name is None else buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
         return out, state.key, state.q, state.residual, state.nonfinite
 
     def power_step(grads, state, treedef):
@@ -361,7 +361,7 @@ def powersgd(
         dense = [i for i, leaf in enumerate(plan) if leaf is None]
         if not comp:
             if axis_name is not None:
-                grads = buckets.pmean(grads, axis_name, bucket_bytes)
+                grads = buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
             return grads, state.key, state.q, state.residual, state.nonfinite
 
         new_key = state.key
@@ -385,7 +385,7 @@ def powersgd(
         arrays = {("dense", i): grads[i] for i in dense}
         arrays.update({("p", j): p for j, p in enumerate(p_b)})
         summed = dict(zip([t for _, t in order], _sum_over_workers([arrays[t] for _, t in order])))
-        n = 1 if axis_name is None else exchange.axis_size(axis_name)
+        n = 1 if axis_name is None else collectives.axis_size(axis_name)
         for i in dense:
             s = summed[("dense", i)]
             outputs[i] = s if axis_name is None else s / jnp.asarray(n, s.dtype)
@@ -421,14 +421,14 @@ def powersgd(
         """Σ over workers of every array (in leaf order): one all-reduce per bucket."""
         if axis_name is None:
             return arrays
-        return buckets.psum(arrays, axis_name, bucket_bytes)
+        return buckets.bucketed_psum(arrays, axis_name, bucket_bytes)
 
     def update_fn(updates, state, params=None):
         del params
         _check_state(state, updates, error_feedback=error_feedback, warm_start=warm_start)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         core.check_float_leaves(with_path, "updates")
-        exchange.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
         if warm_start:
             n_comp = sum(
@@ -446,7 +446,7 @@ def powersgd(
         else:
             started = state.count >= start_iter
             if axis_name is not None:  # identical, and typed invariant, on all workers
-                started = exchange.agree(started.astype(jnp.int32), axis_name) > 0
+                started = collectives.agree(started.astype(jnp.int32), axis_name) > 0
             out, key_, q, res, nonfinite = typed_cond(
                 started,
                 lambda s: power_step(grads, s, treedef),

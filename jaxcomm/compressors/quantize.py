@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import checks, core, exchange
+from jaxcomm import checks, collectives, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName, check_axis_name
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import UNROLL as UNROLL  # where tests and benchmarks read it
 from jaxcomm.compressors.blocks import (
@@ -28,7 +29,6 @@ from jaxcomm.compressors.blocks import (
     sum_over_workers,
     unbucket,
 )
-from jaxcomm.exchange import AxisName, check_axis_name
 
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
 
@@ -327,7 +327,7 @@ class TernGrad(core.CompressorBase):
         x = self._clipped(p)
         s = jnp.max(jnp.abs(x)) if agreed is None else agreed
         if agreed is None and self.share_scale and self.axis_name is not None:
-            s = exchange.agree(s, self.axis_name)
+            s = collectives.agree(s, self.axis_name)
         prob = jnp.abs(x) / jnp.where(s > 0, s, 1.0)
         keep = jax.random.uniform(key, x.shape, jnp.float32) < prob
         t = jnp.where(keep, jnp.sign(x), 0.0).astype(jnp.int32)

@@ -15,6 +15,7 @@ import optax
 
 from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName, check_axis_name
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import (
     axis_workers,
@@ -25,7 +26,6 @@ from jaxcomm.compressors.blocks import (
 )
 from jaxcomm.compressors.twobit import TwoBit, TwoBitServer, twobit
 from jaxcomm.compressors.twobit import TwoBitState as TwoBitState
-from jaxcomm.exchange import AxisName, check_axis_name
 
 
 def _sign_words(p: jnp.ndarray) -> jnp.ndarray:

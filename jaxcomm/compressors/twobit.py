@@ -11,9 +11,9 @@ import optax
 
 from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import sum_over_workers
-from jaxcomm.exchange import AxisName
 
 
 class TwoBitState(core.CompressState):

@@ -14,7 +14,7 @@ from typing import Any
 import optax
 
 from jaxcomm import buckets, sync
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 
 __all__ = ["muloco"]
 

@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import checks, collectives, core, exchange
+from jaxcomm import checks, collectives, core
 from jaxcomm.branches import typed_cond
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import packing
-from jaxcomm.exchange import AxisName
 from jaxcomm.sync.averaging import sync_step
 from jaxcomm.sync.common import add_updates, updates_to
 
@@ -248,7 +248,7 @@ def sparseloco(
     every, alpha, beta, chunk, topk, bits = _check_options(
         every, outer_learning_rate, error_decay, chunk, topk, bits
     )
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     state_dtype = checks.check_state_dtype(state_dtype)
 
     def init_fn(params):
@@ -271,7 +271,7 @@ def sparseloco(
     def update_fn(updates, state, params=None):
         checks.require_params(params, "sparseloco")
         checks.check_state(state, SparseLoCoState, "sparseloco")
-        exchange.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
         treedef = jax.tree.structure(params)
         layouts = [

@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, exchange
+from jaxcomm import buckets, checks, collectives
 from jaxcomm.branches import typed_cond
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 from jaxcomm.sync.common import (
     add_updates,
     as_compressor,
@@ -195,7 +195,7 @@ class StreamingDiLoCo:
         self.inner = checks.check_tx(inner, "inner")
         self.outer = checks.check_tx(outer, "outer")
         self.every, self.fragments, self.delay, self.mix = _check(every, fragments, delay, mix)
-        self.axis_name = exchange.check_axis_name(axis_name)
+        self.axis_name = collectives.check_axis_name(axis_name)
         self.bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
         self.comp = as_compressor(compressor, axis_name)
         self.offsets = [((f + 1) * every // fragments) % every for f in range(fragments)]
@@ -243,7 +243,7 @@ class StreamingDiLoCo:
         else:
             mean = local
             if self.axis_name is not None:
-                mean = buckets.pmean(local, self.axis_name, self.bucket_bytes)
+                mean = buckets.bucketed_pmean(local, self.axis_name, self.bucket_bytes)
             delta = [a - m for a, m in zip(anchor, mean)]
         step, outer_state = self.outer.update(delta, outer_state, anchor)
         return add_updates(anchor, step), outer_state, comp_state
@@ -265,7 +265,7 @@ class StreamingDiLoCo:
     def update(self, updates, state, params=None, *, overlap: bool = False):
         checks.require_params(params, "streaming_diloco")
         checks.check_state(state, StreamingDiLoCoState, "streaming_diloco")
-        exchange.check_per_worker(updates, self.axis_name)
+        collectives.check_per_worker(updates, self.axis_name)
         u, inner_state = self.inner.update(updates, state.inner_state, params)
         s = state.count + 1  # this is inner step s (1-based)
         local = jax.tree.leaves(add_updates(params, u))

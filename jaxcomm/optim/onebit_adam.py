@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core
-from jaxcomm import exchange as _xc
+from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.sign import ScaledSign
-from jaxcomm.exchange import AxisName
 from jaxcomm.optim import common
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
@@ -99,7 +98,7 @@ def onebit_adam(
     """
     warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
-    axis_name = _xc.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comm_tx = core.compress(
         ScaledSign(),
@@ -124,12 +123,12 @@ def onebit_adam(
         checks.check_state(state, OnebitAdamState, "onebit_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
-        _xc.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
 
         def warm(grads, mu, nu, comm):
             if axis_name is not None:
-                grads = buckets.pmean(grads, axis_name, bucket_bytes)
+                grads = buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
             mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
             nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, nu, grads)
             return mu, nu, comm

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core
-from jaxcomm import exchange as _xc
+from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.sign import ScaledSign
-from jaxcomm.exchange import AxisName
 from jaxcomm.optim import common
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
@@ -176,7 +175,7 @@ def zero_one_adam(
     local_step_scaler = checks.check_int(local_step_scaler, "local_step_scaler", 1)
     local_step_clipper = checks.check_int(local_step_clipper, "local_step_clipper", 1)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
-    axis_name = _xc.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comm_tx = core.compress(
         ScaledSign(),
@@ -216,7 +215,7 @@ def zero_one_adam(
         checks.check_state(state, ZeroOneAdamState, "zero_one_adam")
         if weight_decay and params is None:
             raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
-        _xc.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
         p = params if weight_decay else None
         lr = jnp.asarray(common.learning_rate_at(learning_rate, state.count), jnp.float32)
@@ -234,7 +233,7 @@ def zero_one_adam(
         def variance_stage(g, mu, nu, u, lrs, comm, p):
             def refresh(g, mu, nu, comm):
                 if axis_name is not None:
-                    g = buckets.pmean(g, axis_name, bucket_bytes)
+                    g = buckets.bucketed_pmean(g, axis_name, bucket_bytes)
                 mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, mu, g)
                 nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, nu, g)
                 return mu, nu, comm

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, exchange
+from jaxcomm import buckets, checks, collectives
 from jaxcomm.branches import typed_cond
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 from jaxcomm.sync.common import (
     add_updates,
     as_compressor,
@@ -133,7 +133,7 @@ def local_sgd(
     inner = checks.check_tx(inner, "inner")
     every = checks.check_int(every, "every", 1)
     warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comp = as_compressor(compressor, axis_name)
 
@@ -152,7 +152,7 @@ def local_sgd(
     def update_fn(updates, state, params=None):
         checks.require_params(params, "local_sgd")
         checks.check_state(state, LocalSGDState, "local_sgd")
-        exchange.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, comp_state, syncs):
@@ -165,7 +165,7 @@ def local_sgd(
             elif axis_name is None:
                 return u, anchor, comp_state, inc_count(syncs)
             else:
-                new = buckets.pmean(local, axis_name, bucket_bytes)
+                new = buckets.bucketed_pmean(local, axis_name, bucket_bytes)
             return updates_to(new, params, u), anchor, comp_state, inc_count(syncs)
 
         def stay(u, params, anchor, comp_state, syncs):
@@ -246,7 +246,7 @@ def diloco(
     inner = checks.check_tx(inner, "inner")
     outer = checks.check_tx(outer, "outer")
     every = checks.check_int(every, "every", 1)
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     comp = as_compressor(compressor, axis_name)
 
@@ -268,7 +268,7 @@ def diloco(
     def update_fn(updates, state, params=None):
         checks.require_params(params, "diloco")
         checks.check_state(state, DiLoCoState, "diloco")
-        exchange.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
 
         def sync(u, params, anchor, outer_state, comp_state, syncs):
@@ -277,7 +277,11 @@ def diloco(
                 drift = jax.tree.map(lambda a, x: a - x, anchor, local)
                 delta, comp_state = comp.update(drift, comp_state, anchor)
             else:
-                mean = local if axis_name is None else buckets.pmean(local, axis_name, bucket_bytes)
+                mean = (
+                    local
+                    if axis_name is None
+                    else buckets.bucketed_pmean(local, axis_name, bucket_bytes)
+                )
                 delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
             step, outer_state = outer.update(delta, outer_state, anchor)
             anchor = add_updates(anchor, step)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm import accounting, checks, core
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 
 
 def zero_count() -> jax.Array:

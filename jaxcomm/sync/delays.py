@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, exchange
+from jaxcomm import buckets, checks, collectives
 from jaxcomm.branches import typed_cond
-from jaxcomm.exchange import AxisName
+from jaxcomm.collectives import AxisName
 from jaxcomm.sync.common import check_float_params, inc_count, zero_count
 
 
@@ -110,7 +110,7 @@ def delayed_averaging(
     """
     inner = checks.check_tx(inner, "inner")
     delay = checks.check_int(delay, "delay", 0)
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
     def init_fn(params):
@@ -124,8 +124,12 @@ def delayed_averaging(
 
     def update_fn(updates, state, params=None):
         checks.check_state(state, DelayedAveragingState, "delayed_averaging")
-        exchange.check_per_worker(updates, axis_name)
-        mean = updates if axis_name is None else buckets.pmean(updates, axis_name, bucket_bytes)
+        collectives.check_per_worker(updates, axis_name)
+        mean = (
+            updates
+            if axis_name is None
+            else buckets.bucketed_pmean(updates, axis_name, bucket_bytes)
+        )
         queue, head = state.queue, state.head
         if delay == 0:
             corrected = mean

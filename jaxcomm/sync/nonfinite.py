@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import checks, exchange
-from jaxcomm.exchange import AxisName
+from jaxcomm import checks, collectives
+from jaxcomm.collectives import AxisName
 from jaxcomm.sync.common import inc_count, zero_count
 
 
@@ -37,7 +37,7 @@ def _all_finite(updates: Any, axis_name: AxisName | None) -> jax.Array:
         else jnp.ones((), jnp.bool_)
     )
     if axis_name is not None:
-        finite = exchange.agree((~finite).astype(jnp.int32), axis_name) == 0
+        finite = collectives.agree((~finite).astype(jnp.int32), axis_name) == 0
     return finite
 
 
@@ -85,7 +85,7 @@ def skip_nonfinite(
       ...     optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1)))
     """
     inner = checks.check_tx(inner, "inner")
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     if max_consecutive_errors is not None:
         max_consecutive_errors = checks.check_int(
             max_consecutive_errors, "max_consecutive_errors", 0

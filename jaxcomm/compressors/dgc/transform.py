@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, core, exchange
+from jaxcomm import buckets, checks, collectives, core, exchange
 from jaxcomm.branches import typed_switch
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.dgc import selection
 from jaxcomm.compressors.dgc.schedule import (
     boundaries,
@@ -21,7 +22,6 @@ from jaxcomm.compressors.dgc.schedule import (
     check_schedule,
     densities,
 )
-from jaxcomm.exchange import AxisName
 
 
 class DGCState(NamedTuple):
@@ -175,7 +175,7 @@ def dgc(
       Communication Bandwidth for Distributed Training", ICLR 2018,
       arXiv:1712.01887. Official code: github.com/synxlin/deep-gradient-compression.
     """
-    axis_name = exchange.check_axis_name(axis_name)
+    axis_name = collectives.check_axis_name(axis_name)
     ratio, warmup_steps, warmup_epochs, warmup_ratios = check_schedule(
         ratio, warmup_steps, warmup_epochs, warmup_ratios
     )
@@ -216,9 +216,9 @@ def dgc(
         _check_state(state, updates, momentum_correction)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
         core.check_float_leaves(with_path, "updates")
-        exchange.check_per_worker(updates, axis_name)
+        collectives.check_per_worker(updates, axis_name)
         grads = [g for _, g in with_path]
-        n = 1 if axis_name is None else exchange.axis_size(axis_name)
+        n = 1 if axis_name is None else collectives.axis_size(axis_name)
 
         if clip is not None:
             sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
@@ -240,7 +240,7 @@ def dgc(
         dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
         ride = axis_name is not None and bool(sparse) and exchange.dense_rides(n, dense_bytes)
         if axis_name is not None and not ride:
-            sends = buckets.pmean(sends, axis_name, bucket_bytes)
+            sends = buckets.bucketed_pmean(sends, axis_name, bucket_bytes)
         if not ride:
             for i, send in zip(dense, sends):
                 outputs[i] = send
@@ -263,7 +263,7 @@ def dgc(
                 if axis_name is None:
                     received = [(vals[None], idx[None]) for vals, idx in sent]
                 else:  # one all-gather per bucket of every leaf's values and indices
-                    flat = buckets.all_gather(
+                    flat = buckets.bucketed_all_gather(
                         [x for pair in sent for x in pair] + (sends if ride else []),
                         axis_name,
                         bucket_bytes,
@@ -299,7 +299,7 @@ def dgc(
                 ph = sum((state.count >= b).astype(jnp.int32) for b in bounds)
                 branch = jnp.asarray(branch_of_phase, jnp.int32)[ph]
                 if axis_name is not None:  # identical, and typed invariant, on all workers
-                    branch = exchange.agree(branch, axis_name)
+                    branch = collectives.agree(branch, axis_name)
                 outs, vels, moms, means = typed_switch(branch, runs)
             if ride:
                 for i, mean in zip(dense, means):

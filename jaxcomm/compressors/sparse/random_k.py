@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import checks, core, exchange
+from jaxcomm import checks, collectives, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.sparse.base import SparseCompressor, scatter_add
-from jaxcomm.exchange import AxisName
 
 
 class RandomKState(core.CompressState):
@@ -116,7 +116,7 @@ class RandomK(SparseCompressor):
     def wire_size(self, d: int, dtype: Any, n_workers: int = 1) -> int:
         # Payload only; the 8-byte key agreement is once per step, not per leaf.
         if self.kind == "psum":  # bf16 sums move 4 bytes on XLA:CPU
-            per_entry = exchange.moved_itemsize(dtype)
+            per_entry = collectives.moved_itemsize(dtype)
         else:
             per_entry = jnp.dtype(dtype).itemsize + 4
         return self.slots(d) * per_entry

@@ -14,9 +14,9 @@ from jax import lax
 
 from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import selection
 from jaxcomm.compressors.sparse.base import SparseCompressor, decode_mean_checked
-from jaxcomm.exchange import AxisName
 
 # The sampled threshold sits at the sample's ceil(1.25·k_s)-th largest (k_s its
 # share of the top-ratio): a threshold from >= 32 kept sample entries varies

@@ -10,8 +10,8 @@ from jax import lax
 
 from jaxcomm import checks, core
 from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.sparse.base import SparseCompressor, decode_mean_checked
-from jaxcomm.exchange import AxisName
 
 
 class TopKState(core.CompressState):
