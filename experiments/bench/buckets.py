@@ -61,29 +61,35 @@ def define_flags() -> None:
     flags.DEFINE_string("procs_bucket_mib", "1,25", "other bucket sizes (MiB) timed, 2 processes")
 
 
-def _transforms(key):
-    import jax.numpy as jnp
+# transform -> (method of jaxcomm.methods, its options); the all-gather codecs on the path
+# the committed table measured (exchange="gather", not "auto"); keys from seed 0
+_G = {"exchange": "gather"}
+TRANSFORMS = {
+    "allreduce": ("allreduce", {}),
+    "cast": ("cast", {"dtype": "bfloat16", "accumulate": "psum"}),
+    "int8": ("int8", _G),
+    "qsgd": ("qsgd", {"levels": 16, **_G}),
+    "terngrad": ("terngrad", {}),
+    "onebit": ("onebit", _G),
+    "ef_sign": ("ef_sign", _G),
+    "sign_majority": ("sign_majority", {}),
+    "twobit": ("twobit", {"threshold": 0.5, **_G}),
+    "topk": ("topk", {"ratio": 0.01}),
+    "randomk": ("randomk", {"ratio": 0.01}),
+    "threshold": ("threshold", {"ratio": 0.01}),
+    "powersgd": ("powersgd", {"rank": 2}),
+    "dgc": ("dgc", {"ratio": 0.01}),
+}
 
-    import jaxcomm
 
-    ax = "data"
-    G = "gather"  # the all-gather codecs' path the committed table measured (not "auto")
-    return {
-        "allreduce": lambda **kw: jaxcomm.allreduce(axis_name=ax, **kw),
-        "cast": lambda **kw: jaxcomm.cast(jnp.bfloat16, axis_name=ax, accumulate="psum", **kw),
-        "int8": lambda **kw: jaxcomm.int8(key=key, axis_name=ax, exchange=G, **kw),
-        "qsgd": lambda **kw: jaxcomm.qsgd(16, key=key, axis_name=ax, exchange=G, **kw),
-        "terngrad": lambda **kw: jaxcomm.terngrad(key=key, axis_name=ax, **kw),
-        "onebit": lambda **kw: jaxcomm.onebit(axis_name=ax, exchange=G, **kw),
-        "ef_sign": lambda **kw: jaxcomm.ef_sign(axis_name=ax, exchange=G, **kw),
-        "sign_majority": lambda **kw: jaxcomm.sign_majority(axis_name=ax, **kw),
-        "twobit": lambda **kw: jaxcomm.twobit(0.5, axis_name=ax, exchange=G, **kw),
-        "topk": lambda **kw: jaxcomm.topk(0.01, axis_name=ax, **kw),
-        "randomk": lambda **kw: jaxcomm.randomk(0.01, key=key, axis_name=ax, **kw),
-        "threshold": lambda **kw: jaxcomm.threshold(0.01, axis_name=ax, **kw),
-        "powersgd": lambda **kw: jaxcomm.powersgd(2, key=key, axis_name=ax, **kw),
-        "dgc": lambda **kw: jaxcomm.dgc(0.01, axis_name=ax, **kw),
-    }
+def _transforms():
+    """Name -> ``make(**options)`` building the transform over axis ``"data"``."""
+    from jaxcomm import methods
+
+    def maker(method, kwargs):
+        return lambda **kw: methods.make(method, **kwargs, **kw, axis_name="data")
+
+    return {name: maker(*spec) for name, spec in TRANSFORMS.items()}
 
 
 def _trees():
@@ -151,7 +157,7 @@ def devices_part(reps: int) -> list[dict]:
             shapes,
         )
         params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        for name, make in _transforms(jax.random.key(0)).items():
+        for name, make in _transforms().items():
             row = {"tree": tree_name, "leaves": leaves, "transform": name}
             for label, kw in (("per_leaf", {"bucket_bytes": None}), ("bucketed", {})):
                 tx = make(**kw)
@@ -247,7 +253,7 @@ def _worker(pid: int, port: int, reps: int) -> None:
             ),
             "hand_fused_pmean": sharded(fused),
         }
-        makers = _transforms(jax.random.key(0))
+        makers = _transforms()
         for name in filter(None, FLAGS.procs_transforms.split(",")):
             cases[f"{name}_bucketed"] = jaxcomm_step(makers[name]())
             cases[f"{name}_per_leaf"] = jaxcomm_step(makers[name](bucket_bytes=None))

@@ -12,15 +12,11 @@ encode cost and the jaxcomm factory that implements it
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
-import jaxcomm
-from jaxcomm import netsim
+from jaxcomm import methods, netsim
 
 FP32 = 4
 
@@ -204,18 +200,13 @@ SCHEMES = [
 
 
 def build_transform(scheme: Scheme) -> Any:
-    """``jaxcomm.<scheme.factory>(**scheme.factory_kwargs)`` over axis ``"data"``.
+    """``jaxcomm.methods.make(scheme.factory, **scheme.factory_kwargs)`` over axis ``"data"``.
 
-    A scheme whose factory is not a jaxcomm name, or whose keywords it does not
-    take, raises here (naming the scheme) rather than drop out of the tables.
+    A scheme whose factory is not a method of :mod:`jaxcomm.methods`, or whose
+    keywords it does not take, raises here (naming the scheme) rather than drop
+    out of the tables.
     """
-    factory = getattr(jaxcomm, scheme.factory or "", None)
-    if factory is None:
-        raise ValueError(f"whatif scheme {scheme.label!r}: no jaxcomm.{scheme.factory}")
-    kwargs = dict(scheme.factory_kwargs, axis_name="data")
-    if "key" in inspect.signature(factory).parameters:
-        kwargs["key"] = jax.random.key(0)
     try:
-        return factory(**kwargs)
-    except TypeError as e:
+        return methods.make(scheme.factory or "", **scheme.factory_kwargs, axis_name="data")
+    except (TypeError, ValueError) as e:
         raise ValueError(f"whatif scheme {scheme.label!r}: {e}") from None

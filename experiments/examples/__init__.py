@@ -10,21 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import jax
 import numpy as np
 import optax
 from absl import flags
 
-import jaxcomm
+from jaxcomm import methods
 
-COMPRESSORS = ("allreduce", "topk", "powersgd", "ef_sign")
+# the examples' choices: name -> (method of jaxcomm.methods, its options)
+COMPRESSORS = {
+    "allreduce": ("allreduce", {}),
+    "topk": ("topk", {"ratio": 0.01}),
+    "powersgd": ("powersgd", {"rank": 2}),  # key: jax.random.key(0)
+    "ef_sign": ("ef_sign", {}),
+}
 N_TEST = 300  # the last 300 digits are held out
 
 
 def define_flags() -> None:
     """The examples' command-line flags; defined only when an example runs as a program, so
     that importing both (tests) does not clash with each other or other experiments' flags."""
-    flags.DEFINE_enum("compressor", "topk", COMPRESSORS, "jaxcomm gradient exchange")
+    flags.DEFINE_enum("compressor", "topk", list(COMPRESSORS), "jaxcomm gradient exchange")
     flags.DEFINE_integer("steps", 300, "training steps")
     flags.DEFINE_integer("batch_size", 128, "global batch size (split over the devices)")
     flags.DEFINE_integer("eval_every", 50, "steps between evaluations")
@@ -32,15 +37,10 @@ def define_flags() -> None:
 
 def compressor(name: str) -> optax.GradientTransformation:
     """The jaxcomm transform put first in the optimizer chain (workers on mesh axis "data")."""
-    if name == "allreduce":
-        return jaxcomm.allreduce(axis_name="data")
-    if name == "topk":
-        return jaxcomm.topk(0.01, axis_name="data")
-    if name == "powersgd":
-        return jaxcomm.powersgd(2, axis_name="data", key=jax.random.key(0))
-    if name == "ef_sign":
-        return jaxcomm.ef_sign(axis_name="data")
-    raise ValueError(f"compressor: expected one of {COMPRESSORS}, got {name!r}")
+    if name not in COMPRESSORS:
+        raise ValueError(f"compressor: expected one of {list(COMPRESSORS)}, got {name!r}")
+    method, kwargs = COMPRESSORS[name]
+    return methods.make(method, **kwargs, axis_name="data")
 
 
 def load_digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
