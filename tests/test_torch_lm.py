@@ -176,7 +176,6 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     draws them); bytes: dense 4 D a step, PowerSGD fewer."""
     import json
 
-    from experiments.bench import torch_lm_train
     from experiments.studies import lm
     from tests.test_distributed import launch
 
@@ -214,6 +213,6 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
             p.grad = (g0 + g1) / 2
         opt.step()
         sched.step()
-    want = torch_lm_train.evaluate(model, ds.x_test)
+    want = torch_lm.evaluate(model, ds.x_test)
     assert rows["none"][-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
     assert rows["none"][-1]["eval_loss"] < rows["none"][0]["eval_loss"]

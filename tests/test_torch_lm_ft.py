@@ -21,7 +21,7 @@ else:
     pytest.importorskip("torchft", reason='needs torchft: pip install -e ".[ft]"')
 
 from experiments import data, models  # noqa: E402
-from experiments.bench import torch_lm, torch_lm_ft, torch_lm_train  # noqa: E402
+from experiments.bench import torch_lm, torch_lm_ft  # noqa: E402
 from experiments.configs import lm_shakespeare  # noqa: E402
 from jaxcomm.loco.streaming import fragment_of  # noqa: E402
 
@@ -93,10 +93,10 @@ def test_ft_diloco_round_equals_the_rule(tmp_path):
     for p, a, b in zip(model.parameters(), *local):
         p.grad = p.detach() - (a + b) / 2  # the anchor minus the mean of the local params
     outer.step()
-    want = torch_lm_train.evaluate(model, ds.x_test)
+    want = torch_lm.evaluate(model, ds.x_test)
     assert row["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
     # and not the plain average of the local params (the outer step matters)
     with torch.no_grad():
         for p, a, b in zip(model.parameters(), *local):
             p.copy_((a + b) / 2)
-    assert abs(row["eval_loss"] - torch_lm_train.evaluate(model, ds.x_test)["eval_loss"]) > 1e-3
+    assert abs(row["eval_loss"] - torch_lm.evaluate(model, ds.x_test)["eval_loss"]) > 1e-3

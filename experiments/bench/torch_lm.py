@@ -329,11 +329,22 @@ def windows(
 
 
 @torch.no_grad()
-def eval_loss(model: GPT, test_windows: np.ndarray, batch_size: int = 128) -> float:
-    """Mean next-byte loss over ``test_windows`` ``(t, seq_len + 1)`` (``data.shakespeare``'s
-    ``x_test``): the harness's ``eval_loss`` (windows of equal length, so the mean of means)."""
-    total = 0.0
+def evaluate(model: GPT, test_windows: np.ndarray, batch_size: int = 128) -> dict:
+    """The harness's evaluation over ``test_windows`` ``(t, seq_len + 1)`` (``data.shakespeare``'s
+    ``x_test``): the mean next-byte loss over windows with its standard error, and accuracy."""
+    losses, correct, count = [], 0, 0
     for i in range(0, len(test_windows), batch_size):
         w = torch.from_numpy(np.asarray(test_windows[i : i + batch_size], np.int64))
-        total += float(lm_loss(model(w[:, :-1]), w[:, 1:])) * len(w)
-    return total / len(test_windows)
+        logits = model(w[:, :-1])
+        per = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none"
+        )
+        losses.extend(per.reshape(len(w), -1).mean(1).tolist())
+        correct += int((logits.argmax(-1) == w[:, 1:]).sum())
+        count += w[:, 1:].numel()
+    losses = np.asarray(losses)
+    return {
+        "eval_loss": float(losses.mean()),
+        "eval_loss_se": float(losses.std(ddof=1) / np.sqrt(len(losses))),
+        "accuracy": correct / count,
+    }

@@ -73,27 +73,6 @@ def define_flags() -> None:
     flags.DEFINE_integer("eval_every", 0, "steps between evaluations (0: the config's)")
 
 
-def evaluate(model: torch.nn.Module, test: np.ndarray, batch_size: int = 128) -> dict:
-    """The harness's evaluation: mean loss over windows with its standard error, accuracy."""
-    losses, correct, count = [], 0, 0
-    with torch.no_grad():
-        for i in range(0, len(test), batch_size):
-            w = torch.from_numpy(np.asarray(test[i : i + batch_size], np.int64))
-            logits = model(w[:, :-1])
-            per = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="none"
-            )
-            losses.extend(per.reshape(len(w), -1).mean(1).tolist())
-            correct += int((logits.argmax(-1) == w[:, 1:]).sum())
-            count += w[:, 1:].numel()
-    losses = np.asarray(losses)
-    return {
-        "eval_loss": float(losses.mean()),
-        "eval_loss_se": float(losses.std(ddof=1) / np.sqrt(len(losses))),
-        "accuracy": correct / count,
-    }
-
-
 def wrap(model: torch.nn.Module, hook: str, rank: int) -> DDP:
     if hook == "powersgd":
         ddp = DDP(model, bucket_cap_mb=1000)
@@ -161,7 +140,7 @@ def main(argv) -> None:
                 losses = []
             if rank == 0 and (done % every == 0 or done == stop):
                 row = {"step": done, "loss": float(mean[0] / mean[1]),
-                       **evaluate(model, ds.x_test), "train_s": train_s,
+                       **torch_lm.evaluate(model, ds.x_test), "train_s": train_s,
                        "wire_bytes": int(counter.bytes), "processes": world,
                        "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
