@@ -6,11 +6,16 @@ and, on x86-64, with ``--xla_cpu_max_isa=AVX2``, ``AVX`` and ``SSE4_2``: integer
 leaves exactly, floats within a sixteenth of the test's tolerances. A seed that
 puts some value within a last bit of a rounding, sign or selection boundary
 differs between these settings and is passed over. The native run of the chosen
-seed is saved. Regenerate only when a change of numbers is intended, and say so
-in the commit:
+seed is saved, and the entry's line in ``tests/data/golden_digests.json``
+with it. Regenerate only when a change of numbers is intended, and say so in
+the commit:
 
-    python -m tests.golden_regen                  # every transform
-    python -m tests.golden_regen --only qsgd int8 # these; the others stay as saved
+    python -m tests.golden_regen --only fp8        # a new transform; the others stay
+    python -m tests.golden_regen --only qsgd int8  # these; the others stay as saved
+    python -m tests.golden_regen --all             # every transform
+
+An entry that was not named keeps its saved outputs bit for bit: the run stops
+before writing if its digest would change (``test_golden.unnamed_changes``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def compute(out: str, names: list[str], seed: int) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="*", help="transforms to rewrite (default: all)")
+    ap.add_argument("--only", nargs="*", help="transforms to write (new or changed)")
+    ap.add_argument("--all", action="store_true", help="rewrite every transform")
     ap.add_argument("--seeds", type=int, default=8, help="input seeds to try per transform")
     ap.add_argument("--compute", help=argparse.SUPPRESS)
     ap.add_argument("--names", help=argparse.SUPPRESS)
@@ -60,12 +66,15 @@ def main(argv=None) -> None:
 
     from tests import test_golden as G
 
+    if not args.only and not args.all:
+        ap.error("name the entries to write (--only NAME ...) or rewrite them --all")
     unknown = set(args.only or ()) - set(G.TRANSFORMS)
     if unknown:
         ap.error(f"--only: unknown transforms {sorted(unknown)}; known: {sorted(G.TRANSFORMS)}")
     pending = sorted(args.only or G.TRANSFORMS)
-    arrays, seeds = G.load() if args.only and os.path.exists(G.GOLDEN) else ({}, {})
-    arrays = {k: v for k, v in arrays.items() if k.split("|")[0] not in pending}
+    pending_named = set(pending)
+    old = G.load() if args.only and os.path.exists(G.GOLDEN) else ({}, {})
+    arrays, seeds = {}, {}  # the entries written now
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
             if not pending:
@@ -98,8 +107,30 @@ def main(argv=None) -> None:
                 print(f"{name}: input seed {seed}", flush=True)
     if pending:
         sys.exit(f"no input seed of {args.seeds} agrees across XLA settings for {pending}")
-    G.save(G.GOLDEN, arrays, seeds)
-    print(f"wrote {G.GOLDEN}: {len(seeds)} transforms")
+    arrays, seeds = write(*old, arrays, seeds, pending_named)
+    print(f"wrote {G.GOLDEN} and {G.DIGESTS}: {len(seeds)} transforms")
+
+
+def write(old, old_seeds, new, new_seeds, named, golden=None, digests=None):
+    """Save ``old``'s entries but ``named``, plus ``new``'s, and their digests (one line each).
+
+    Refuses (``SystemExit``, nothing written) where an entry that was not named
+    would come out of the file with other outputs than it has now.
+    """
+    from tests import test_golden as G
+
+    keep = {k: v for k, v in old.items() if k.split("|")[0] not in named}
+    arrays = {**keep, **new}
+    seeds = {**{k: v for k, v in old_seeds.items() if k not in named}, **new_seeds}
+    with tempfile.TemporaryDirectory() as tmp:  # what the file will hold, read back
+        G.save(os.path.join(tmp, "golden.npz"), arrays, seeds)
+        after = G.entry_digests(*G.load(os.path.join(tmp, "golden.npz")))
+    changed = G.unnamed_changes(G.entry_digests(old, old_seeds), after, named)
+    if changed:
+        sys.exit(f"refusing to write: the saved outputs of {changed} would change unnamed")
+    G.save(golden or G.GOLDEN, arrays, seeds)
+    G.write_digests(after, digests or G.DIGESTS)
+    return arrays, seeds
 
 
 if __name__ == "__main__":

@@ -30,9 +30,17 @@ a server with AVX-512). So by default:
     pytest tests/test_golden.py -n 0 --golden-strict=check   # after: names what moved
 
 **Regenerate** only when a change of numbers is intended, and say so in the
-commit; ``--only`` rewrites just the named entries, the others stay as saved:
+commit; ``--only`` writes just the named entries (a new transform's too), the
+others stay as saved, bit for bit:
 
-    python -m tests.golden_regen [--only NAME ...]
+    python -m tests.golden_regen --only NAME ...    # or --all, every entry
+
+**Per-entry digests.** ``tests/data/golden_digests.json`` holds one SHA-256 per
+entry (its saved leaves and input seed), one entry a line, and
+``test_saved_outputs_match_their_digests`` holds the saved file to it: an
+entry's saved outputs cannot change without its line changing, and
+``golden_regen`` refuses to change a line whose entry was not named
+(:func:`unnamed_changes`). A diff of that file names every re-blessed entry.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from tests import helpers as H
 from tests.test_registry import KEY, PARAMS, REGISTRY
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden.npz")
+DIGESTS = os.path.join(os.path.dirname(__file__), "data", "golden_digests.json")
 STEPS = 3
 # Floats agree within RTOL x the leaf's largest magnitude. The leaves are sums of at most a
 # few hundred products (PowerSGD's P = M Q over 24 rows, its QR, Adam's moments), and a
@@ -194,6 +203,35 @@ def digests(arrays: dict[str, np.ndarray]) -> dict[str, str]:
     }
 
 
+def entry_digests(arrays: dict[str, np.ndarray], seeds: dict[str, int]) -> dict[str, str]:
+    """Entry -> the SHA-256 of its input seed and its leaves (keys, dtypes, shapes, bytes)."""
+    out = {}
+    for name in sorted(seeds):
+        h = hashlib.sha256(f"seed {seeds[name]}".encode())
+        for k in sorted(k for k in arrays if k.split("|")[0] == name):
+            h.update(f"{k} {describe(arrays[k])}".encode())
+            h.update(np.ascontiguousarray(arrays[k]).tobytes())
+        out[name] = h.hexdigest()
+    return out
+
+
+def unnamed_changes(before: dict[str, str], after: dict[str, str], named=()) -> list[str]:
+    """Entries of ``before`` whose digest ``after`` changes or drops, ``named`` excepted."""
+    return sorted(k for k in before if k not in named and after.get(k) != before[k])
+
+
+def read_digests(path: str = DIGESTS) -> dict[str, str]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_digests(digests: dict[str, str], path: str = DIGESTS) -> None:
+    """One entry a line, sorted: a diff names the entries whose outputs were re-saved."""
+    lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(digests.items())]
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")
+
+
 @pytest.fixture(scope="module")
 def golden():
     return load()
@@ -214,6 +252,31 @@ def strict(request):
 def test_every_transform_is_saved(golden):
     arrays, seeds = golden
     assert {k.split("|")[0] for k in arrays} == set(TRANSFORMS) == set(seeds)
+
+
+def test_saved_outputs_match_their_digests(golden):
+    arrays, seeds = golden
+    saved = read_digests()
+    assert unnamed_changes(saved, entry_digests(arrays, seeds)) == []
+    assert set(saved) == set(seeds), "run python -m tests.golden_regen --only NAME"
+
+
+def test_an_entry_is_added_or_rewritten_only_where_named(golden):
+    """What golden_regen checks before it writes: adding one entry leaves every other
+    entry's digest as it was; a changed entry that was not named is refused."""
+    arrays, seeds = golden
+    before = entry_digests(arrays, seeds)
+    added = {**arrays, **{k.replace("int8|", "int8:copy|"): v for k, v in arrays.items()
+                          if k.startswith("int8|")}}  # fmt: skip
+    after = entry_digests(added, {**seeds, "int8:copy": seeds["int8"]})
+    assert unnamed_changes(before, after) == [] and set(after) - set(before) == {"int8:copy"}
+    k = next(k for k in arrays if k.startswith("onebit|"))
+    moved = {**arrays, k: arrays[k] + np.ones_like(arrays[k])}
+    assert unnamed_changes(before, entry_digests(moved, seeds)) == ["onebit"]
+    assert unnamed_changes(before, entry_digests(moved, seeds), named=["onebit"]) == []
+    assert unnamed_changes(before, entry_digests(arrays, {**seeds, "int8": 99})) == ["int8"]
+    dropped = {n: s for n, s in seeds.items() if n != "twobit"}
+    assert unnamed_changes(before, entry_digests(arrays, dropped)) == ["twobit"]
 
 
 def test_inputs_are_exact_in_any_order():
