@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import accounting, calibrate, checks
-from jaxcomm.compressors import dense, powersgd, quantize, sparse
+from jaxcomm import accounting, calibrate, checks, methods
 from jaxcomm.policy.timing import check_statistic, program, settle, summary, time_samples
 
 
@@ -25,22 +24,23 @@ class Candidate(NamedTuple):
 #: keeps error feedback (the accuracy guard). They compress every leaf
 #: (``min_size=0``): a small leaf costs few bytes either way, and leaving it
 #: dense would add a collective whose latency dominates on a slow link.
+def candidate(name: str, method: str, **options: Any) -> Candidate:
+    """A candidate named ``name``: method ``method`` of :mod:`jaxcomm.methods` with
+    ``options`` (a key from seed 0 where it takes one), built on the axis it is given."""
+    return Candidate(name, lambda ax: methods.make(method, **options, axis_name=ax))
+
+
 DEFAULT_CANDIDATES: tuple[Candidate, ...] = (
-    Candidate("dense", lambda ax: dense.allreduce(axis_name=ax)),
-    Candidate("bf16", lambda ax: dense.cast(jnp.bfloat16, axis_name=ax, min_size=0)),
-    Candidate("powersgd_r2", lambda ax: powersgd.powersgd(2, key=jax.random.key(0), axis_name=ax)),
+    candidate("dense", "allreduce"),
+    candidate("bf16", "cast", dtype=jnp.bfloat16, min_size=0),
+    candidate("powersgd_r2", "powersgd", rank=2),
     # rank 4: what PowerSGD's paper trained its language model with; on the LM of
     # experiments/results/lm_study.md rank 4 reached dense's target and rank 2 did not (auto's
     # rank-2 choice ended at 2.6251 against 2.6095): with ``max_ratio`` a user who caps the
     # compression still has a low-rank candidate (rank 4 compresses that LM 31x, rank 2 58x)
-    Candidate("powersgd_r4", lambda ax: powersgd.powersgd(4, key=jax.random.key(0), axis_name=ax)),
-    Candidate(
-        "int8_ef",
-        lambda ax: quantize.int8(
-            axis_name=ax, key=jax.random.key(0), error_feedback=True, min_size=0
-        ),
-    ),  # fmt: skip
-    Candidate("topk_1pct", lambda ax: sparse.topk(0.01, axis_name=ax, min_size=0)),
+    candidate("powersgd_r4", "powersgd", rank=4),
+    candidate("int8_ef", "int8", error_feedback=True, min_size=0),
+    candidate("topk_1pct", "topk", ratio=0.01, min_size=0),
 )
 
 
