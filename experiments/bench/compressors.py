@@ -107,7 +107,12 @@ def build(name: str, ratio: float) -> Any:
     """Case ``name``'s transform over AXIS (``ratio`` for a method taking one)."""
     if name == "threshold_before":
         return _threshold_before(ratio)
-    method, kwargs = CASES.get(name, (name, {}))
+    return build_method(*CASES.get(name, (name, {})), ratio)
+
+
+def build_method(method: str, kwargs: dict, ratio: float) -> Any:
+    """Method ``method`` of :mod:`jaxcomm.methods` with ``kwargs`` over AXIS, given ``ratio``
+    where it takes one and ``kwargs`` do not set it."""
     if "ratio" in inspect.signature(methods.get(method)).parameters:
         kwargs = {"ratio": ratio, **kwargs}
     return methods.make(method, axis_name=AXIS, **kwargs)

@@ -77,7 +77,6 @@ from absl import app, flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxcomm
 from experiments import launch
 from experiments.bench import compressors, revision, threshold_fill, timing
 from experiments.studies import runs
@@ -99,17 +98,20 @@ def _rev(make: Callable[[object], object]) -> Callable[[float, str], object]:
     return factory
 
 
+def _case(method: str, **options) -> Callable[[float, str], object]:
+    """Method ``method`` of :mod:`jaxcomm.methods` with ``options``, at the bench's ratio."""
+    return lambda r, rev: compressors.build_method(method, options, r)
+
+
 # (name, what, factory(ratio, rev)); a factory returns None where its case cannot be built here
 VECTOR_CASES: list[tuple[str, str, Callable[[float, str], object]]] = [
-    ("allreduce", "dense psum", lambda r, rev: jaxcomm.allreduce(axis_name=AXIS)),
-    ("topk", "exact top-k + EF", lambda r, rev: jaxcomm.topk(r, axis_name=AXIS)),
-    ("topk_noef", "exact top-k, no EF",
-     lambda r, rev: jaxcomm.topk(r, axis_name=AXIS, error_feedback=False)),
-    ("threshold", "threshold + EF", lambda r, rev: jaxcomm.threshold(r, axis_name=AXIS)),
-    ("threshold_noef", "threshold, no EF",
-     lambda r, rev: jaxcomm.threshold(r, axis_name=AXIS, error_feedback=False)),
+    ("allreduce", "dense psum", _case("allreduce")),
+    ("topk", "exact top-k + EF", _case("topk")),
+    ("topk_noef", "exact top-k, no EF", _case("topk", error_feedback=False)),
+    ("threshold", "threshold + EF", _case("threshold")),
+    ("threshold_noef", "threshold, no EF", _case("threshold", error_feedback=False)),
     ("threshold_per_leaf", "threshold + EF, bucket_bytes=None",
-     lambda r, rev: jaxcomm.threshold(r, axis_name=AXIS, bucket_bytes=None)),
+     _case("threshold", bucket_bytes=None)),
     ("threshold_rev", "threshold + EF, the library at --rev",
      _rev(lambda lib: lambda r: lib.threshold(r, axis_name=AXIS))),
     ("threshold_noef_rev", "threshold, no EF, the library at --rev",
@@ -118,11 +120,9 @@ VECTOR_CASES: list[tuple[str, str, Callable[[float, str], object]]] = [
      lambda r, rev: threshold_fill.transform_before(r, AXIS)),
 ]  # fmt: skip
 TREE_CASES = [
-    ("threshold", "threshold + EF, 25 MiB buckets",
-     lambda r, rev: jaxcomm.threshold(r, axis_name=AXIS)),
-    ("threshold_per_leaf", "threshold + EF, per leaf",
-     lambda r, rev: jaxcomm.threshold(r, axis_name=AXIS, bucket_bytes=None)),
-]  # fmt: skip
+    ("threshold", "threshold + EF, 25 MiB buckets", _case("threshold")),
+    ("threshold_per_leaf", "threshold + EF, per leaf", _case("threshold", bucket_bytes=None)),
+]
 
 
 def _passes_ef(g: jax.Array, e: jax.Array):
