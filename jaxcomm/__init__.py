@@ -13,6 +13,8 @@ from jaxcomm import (
     optim,
     parallel,
     policy,
+    stages,
+    strategies,
     sync,
 )
 from jaxcomm.accounting import wire_bytes
@@ -84,7 +86,9 @@ __all__ = [
     "sign_majority",
     "skip_nonfinite",
     "sparseloco",
+    "stages",
     "stale",
+    "strategies",
     "streaming_diloco",
     "sync",
     "terngrad",

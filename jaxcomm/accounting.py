@@ -35,8 +35,10 @@ backend; ``wire_report(..., backend="gpu")`` plans for a GPU cluster from a
 CPU machine.
 """
 
+import importlib
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,7 +53,6 @@ __all__ = [
     "Collective",
     "collective_bytes",
     "collective_count",
-    "exchange_traffic",
     "hlo_collectives",
     "payload_bytes",
     "traffic_bytes",
@@ -216,53 +217,17 @@ def payload_bytes(compressor: Any, d: int, dtype: Any, n_workers: int = 1) -> in
     return int(compressor.wire_size(d, dtype, n_workers))
 
 
-def exchange_traffic(
-    compressor: Any, vectors: list[tuple[int, Any]], n_workers: int
-) -> dict[str, float]:
-    """Bytes one worker sends for the payloads of ``vectors``: all-gather vs two-phase.
-
-    The choice behind ``exchange="auto"`` (:func:`jaxcomm.exchange.choose_exchange`).
-    With ``s(d)`` = :func:`payload_bytes` and :func:`traffic_bytes`'s
-    formulas: the all-gather of ``s(d)`` costs ``(n-1)·s(d)``; the two-phase
-    exchange an all-to-all of n chunk payloads ``n·s(c)``, ``c = ceil(d/n)``,
-    plus an all-gather of one chunk mean in the payload of the compressor's
-    ``server_codec()``, ``s'(c)`` (usually ``s(c)``): ``(n-1)·(s(c) + s'(c))``
-    in all. Summed over the vectors. Only the payloads: dense leaves, the NaN
-    flag (1 byte in an all-gather either way) and a key agreement are the
-    same on both paths.
-
-    Args:
-      compressor: a :class:`jaxcomm.Compressor` with ``kind="all_gather"``.
-      vectors: ``(d, dtype)`` per vector compressed on its own (one per
-        compressible leaf, or one for ``scope="global"``).
-      n_workers: workers on the axis, >= 1.
-
-    Returns:
-      ``{"gather": bytes, "two_phase": bytes}``.
-
-    Example:
-      >>> comp = jaxcomm.compressors.quantize.Int8(512, False)
-      >>> jaxcomm.accounting.exchange_traffic(comp, [(2**20, jnp.float32)], 8)
-      {'gather': 7397376, 'two_phase': 1849344.0}
-    """
-    n = n_workers
-    server = compressor.server_codec()
-    sizes: dict[tuple[int, int, str], int] = {}
-
-    def s(d, dtype, codec=compressor):
-        k = (id(codec), d, jnp.dtype(dtype).name)
-        if k not in sizes:
-            sizes[k] = payload_bytes(codec, d, dtype, n)
-        return sizes[k]
-
-    gather, two = [], []
-    for d, dtype in vectors:
-        c = -(-d // n)
-        sd, sc, ss = s(d, dtype), s(c, dtype), s(c, dtype, server)
-        gather.append(Collective("all_gather", None, sd, "uint8", (sd,)))
-        two.append(Collective("all_to_all", None, n * sc, "uint8", (n, sc)))
-        two.append(Collective("all_gather", None, ss, "uint8", (ss,)))
-    return {"gather": traffic_bytes(gather, n), "two_phase": traffic_bytes(two, n)}
+def __getattr__(name: str) -> Any:
+    # exchange_traffic moved to jaxcomm.strategies, with the strategies' traffic models
+    # (imported by name when asked for: jaxcomm.strategies is built on this module)
+    if name == "exchange_traffic":
+        warnings.warn(
+            "jaxcomm.accounting.exchange_traffic moved: import it from jaxcomm.strategies",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module("jaxcomm.strategies").exchange_traffic
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- compiled HLO -------------------------------------------------------------

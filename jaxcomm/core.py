@@ -16,10 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxcomm import buckets, checks, collectives, exchange, strategies
+from jaxcomm import buckets, checks, collectives, strategies
 from jaxcomm.protocol import (
     Compressor,
     CompressorBase,
@@ -30,11 +29,10 @@ from jaxcomm.protocol import (
     key_bits,
     nan_flag_bytes,
     num_kept,
-    path_str,
     resolve_state_dtype,
     state_class,
 )
-from jaxcomm.strategies import Config, Memory, Step, Strategy
+from jaxcomm.stages import Config, Memory, Step
 
 # the protocol's names, re-exported: jaxcomm.core is where compressors find them
 __all__ = [
@@ -50,9 +48,6 @@ __all__ = [
     "resolve_state_dtype",
     "state_class",
 ]
-
-_xc = exchange  # the module, where compress's ``exchange=`` option shadows its name
-
 
 # --- the update pipeline: compress's update_fn runs these stages in order --------------
 
@@ -131,49 +126,13 @@ def _group(step: Step, config: Config) -> Step:
     return step._replace(groups=groups, vecs=vecs, keys=keys)
 
 
-def _strategy(compressor: Compressor, step: Step, state: Any, config: Config) -> Strategy:
-    """The exchange this trace runs (:mod:`jaxcomm.strategies`), checked it can run."""
-    axis_name, mode = config.axis_name, config.mode
-    if axis_name is None:
-        return strategies.local
-    if mode == "reduce_scatter":
-        n = collectives.axis_size(axis_name)
-        for path, g in step.with_path:
-            if g.ndim == 0 or g.shape[0] % n:
-                raise ValueError(
-                    f"exchange='reduce_scatter': leaf {path_str(path)} has shape {g.shape}; its "
-                    f"first dimension must be a multiple of the {n} workers (the shard axis)"
-                )
-        return strategies.reduce_scatter
-    specs = [(v.shape[0], v.dtype) for v in step.vecs]
-    if (
-        _xc.choose_exchange(mode, compressor, specs, collectives.axis_size(axis_name))
-        != "two_phase"
-    ):
-        return strategies.gather
-    if config.error_feedback and state.server is None:
-        raise ValueError(
-            f"state.server is None, but exchange={mode!r} runs the two-phase exchange on "
-            f"{collectives.axis_size(axis_name)} workers for these updates and needs its server "
-            "residual: the state was made by init on an axis size where 'auto' picks "
-            "'gather' (or saved by a transform with exchange='gather'). Make the state with "
-            "tx.init(params) outside shard_map, or build the transform with "
-            "exchange='gather' to keep using this state."
-        )
-    return strategies.two_phase
-
-
 def _new_state(step: Step, state: Any, memory: Memory, config: Config) -> Any:
-    """The state after the step: count, key, the strategy's memory, non-finite steps."""
-    count = optax.safe_int32_increment(state.count)
-    nonfinite = memory.nonfinite
-    if memory.ok is not None:  # two-phase, reduce-scatter: counted after the step count
-        nonfinite = state.nonfinite + (~memory.ok).astype(jnp.int32)
+    """The state after the step: count, key, the strategy's memory (residuals, non-finite steps)."""
     return config.state_cls(
-        count=count,
+        count=optax.safe_int32_increment(state.count),
         key=step.new_key,
         residual=memory.residual,
-        nonfinite=nonfinite,
+        nonfinite=memory.nonfinite,
         # with "auto", a gather step keeps the server residual as it is (init could not see n)
         server=memory.server,
     )
@@ -189,7 +148,7 @@ def compress(
     scope: str = "leaf",
     bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
     state_dtype: Any = None,
-    exchange: str = "auto",
+    exchange: str | strategies.Strategy = "auto",
 ) -> optax.GradientTransformation:
     """The generic compressed exchange: EF memory, encode, exchange, decode.
 
@@ -206,7 +165,7 @@ def compress(
         dtype, no residual), as torch's PowerSGD hook does for biases. They
         ride in the payload's collective (one collective per bucket) unless
         gathering them costs more bytes than a collective's latency
-        (:func:`jaxcomm.exchange.dense_rides`).
+        (:func:`jaxcomm.strategies.dense_rides`).
       key: PRNG key, required when ``compressor.needs_key``.
       scope: ``"leaf"`` compresses each leaf on its own; ``"global"``
         concatenates all compressible leaves into one vector first (e.g.
@@ -238,8 +197,8 @@ def compress(
         holds a second residual, ``state.server``). ``"auto"`` (default):
         decided when the update is traced and the axis size n is known, the
         one that moves fewer bytes per worker for this codec, tree and n
-        (:func:`jaxcomm.exchange.choose_exchange`,
-        :func:`jaxcomm.accounting.exchange_traffic`); ``"gather"`` on a tie
+        (:meth:`jaxcomm.strategies.Auto.choose`,
+        :func:`jaxcomm.strategies.exchange_traffic`); ``"gather"`` on a tie
         (every n <= 2) and for codecs without ``auto_two_phase`` (sparse
         ones), the one all-reduce for summed payloads. Two-phase encodes and
         decodes twice: where compute, not the link, bounds the step (a fast
@@ -249,6 +208,9 @@ def compress(
         mean along the leaf's first dimension (which must be a multiple of
         n): shape ``(shape[0] // n, *shape[1:])``, worker j's rows; error
         feedback on the sender (:func:`jaxcomm.exchange.reduce_scatter`).
+        Each name is a :class:`jaxcomm.strategies.Strategy` of
+        :data:`jaxcomm.strategies.STRATEGIES`; an instance of one (e.g. a new
+        strategy, see that module) is taken as it is.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -287,28 +249,20 @@ def compress(
         )
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = checks.check_state_dtype(state_dtype)
-    mode = _xc.check_exchange(exchange, compressor.kind)
-    if mode not in ("gather", "auto") and compressor.agrees:
-        raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
-    if mode == "reduce_scatter" and scope != "leaf":
-        raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")
+    strategy = strategies.get(exchange)
+    strategy.check(compressor, scope=scope)
     raw_key = key_bits(key) if compressor.needs_key else None
     state_cls = state_class(compressor)
-
-    def vector_specs(leaves):  # (d, dtype) of each vector compressed on its own
-        big = [x for x in leaves if np.size(x) >= max(min_size, 1)]
-        if scope == "global" and big:
-            return [(sum(int(np.size(x)) for x in big), jnp.result_type(*big))]
-        return [(int(np.size(x)), jnp.result_type(x)) for x in big]
+    config = Config(axis_name, error_feedback, min_size, scope, bucket_bytes, strategy, state_cls)
 
     def init_fn(params):
         leaves = jax.tree_util.tree_leaves_with_path(params)
         check_float_leaves(leaves, "params")
-        server = error_feedback and axis_name is not None and mode in ("two_phase", "auto")
-        if server and mode == "auto":  # n where init sees the axis, else "on some n"
-            n = collectives.bound_axis_size(axis_name)
-            specs = vector_specs([x for _, x in leaves])
-            server = _xc.choose_exchange(mode, compressor, specs, n) == "two_phase"
+        server = (
+            error_feedback
+            and axis_name is not None
+            and strategy.needs_server(compressor, [x for _, x in leaves], config)
+        )
         residual = (
             jax.tree.map(
                 lambda p: jnp.zeros(
@@ -327,16 +281,18 @@ def compress(
             server=residual if server else None,
         )
 
-    config = Config(axis_name, error_feedback, min_size, scope, bucket_bytes, mode, state_cls)
-
     def update_fn(updates, state, params=None):
         del params
         step = _start(compressor, updates, state, config)
         step = _step_key(compressor, step, state, config)
         step = _add_memory(step, config)
         step = _group(step, config)
-        strategy = _strategy(compressor, step, state, config)  # chosen once per trace
-        outputs, memory = strategy(compressor, step, state, config)
+        # the exchange this trace runs (jaxcomm.strategies), chosen and checked once per trace
+        if config.axis_name is None:
+            chosen = strategies.LOCAL
+        else:
+            chosen = config.strategy.resolve(compressor, step, state, config)
+        outputs, memory = chosen.run(compressor, step, state, config)
         return step.treedef.unflatten(outputs), _new_state(step, state, memory, config)
 
     return optax.GradientTransformation(init_fn, update_fn)

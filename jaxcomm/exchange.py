@@ -11,8 +11,9 @@ communicates; each records what it sends in the :mod:`jaxcomm.ledger` while
   the slow one;
 * :func:`two_phase` and :func:`reduce_scatter`: the compressed all-reduce
   that scales (all-to-all of compressed chunks, all-gather of compressed
-  means) and its first phase alone, with :func:`choose_exchange` picking
-  between the all-gather and the two-phase exchange for ``exchange="auto"``.
+  means) and its first phase alone, which the strategies of
+  :mod:`jaxcomm.strategies` run (``exchange="two_phase"``, ``"auto"``,
+  ``"reduce_scatter"``).
 
 The collectives have one home, :mod:`jaxcomm.collectives` (over a pytree)
 and :mod:`jaxcomm.buckets` (``bucketed_*``, over a list); the byte ledger is
@@ -30,16 +31,18 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomm import accounting, buckets, collectives
+from jaxcomm import buckets, collectives
 
 # names that lived here before and moved to the module that owns them: still found here,
-# with a DeprecationWarning naming the one import path
+# with a DeprecationWarning naming the one import path (imported by name when asked for:
+# jaxcomm.strategies is built on this module)
 _MOVED = dict.fromkeys(
     "AxisName agree all_gather all_to_all as_varying axis_index axis_size bound_axis_size "
     "check_axis_name check_per_worker is_manual_axis moved_itemsize pmean ppermute psum "
     "psum_scatter".split(),
     "jaxcomm.collectives",
 ) | dict.fromkeys("BACKENDS MARKER Collective backend recording".split(), "jaxcomm.ledger")
+_MOVED |= dict.fromkeys(["DENSE_RIDE_BYTES", "EXCHANGES", "dense_rides"], "jaxcomm.strategies")
 
 
 def __getattr__(name: str) -> Any:
@@ -311,92 +314,6 @@ def reduce_scatter(
         for v, (d, c), rec in zip(vecs, layout, received)
     ]
     return chunks, own, ~jnp.any(flags > 0)
-
-
-EXCHANGES = ("gather", "two_phase", "auto", "reduce_scatter")
-
-DENSE_RIDE_BYTES = 64 * 2**10
-"""Bytes a gather-path step may add per worker to save one collective (see :func:`dense_rides`)."""
-
-
-def dense_rides(n: int, dense_bytes: int) -> bool:
-    """Whether an all-gathered codec's dense (small) leaves ride in its all-gather.
-
-    A step then runs one collective per bucket instead of an all-gather beside
-    an all-reduce of the small leaves. Gathering ``s`` bytes instead of
-    all-reducing them receives ``(n-1)·s`` instead of ``2(n-1)/n·s``: nothing
-    more on 2 workers, ``(n-1)(n-2)/n·s`` more on n, against one collective's
-    fixed latency α saved. α times the bandwidth is about 1 MB for NCCL in a
-    node (~10 µs at 100 GB/s), a few MB for gloo over TCP (a few ms per
-    collective at 1-10 Gbit/s) and 0.6 MB across regions (50 ms at 100
-    Mbit/s); the rule keeps the added bytes under :data:`DENSE_RIDE_BYTES`
-    (64 KiB), well below all of them. The two-phase exchange needs no rule:
-    its small leaves ride in both phases at a ring all-reduce's bytes.
-
-    Args:
-      n: workers on the axis.
-      dense_bytes: bytes of the small leaves a worker holds.
-    """
-    return n <= 2 or (n - 1) * (n - 2) / n * dense_bytes <= DENSE_RIDE_BYTES
-
-
-def check_exchange(value: Any, kind: str) -> str:
-    """Validate an ``exchange=`` option for a compressor of ``kind``.
-
-    ``"auto"`` is valid for every kind: for summed payloads (``kind="psum"``)
-    it is their one all-reduce, for all-gathered ones see :func:`choose_exchange`.
-    """
-    if value not in EXCHANGES:
-        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {value!r}")
-    if value not in ("gather", "auto") and kind != "all_gather":
-        raise ValueError(
-            f"exchange: {value!r} is for compressors whose payloads are all-gathered; this "
-            f"one's payloads are summed (kind={kind!r}), already a single all-reduce"
-        )
-    return value
-
-
-def choose_exchange(
-    mode: str, compressor: Any, vectors: list[tuple[int, Any]], n: int | None
-) -> str:
-    """The exchange ``mode`` runs for ``compressor``'s payloads of ``vectors`` on ``n`` workers.
-
-    ``"auto"`` picks, for all-gathered payloads, the exchange that moves fewer
-    bytes per worker (:func:`jaxcomm.accounting.exchange_traffic`): each
-    worker receives ``(n-1)·s(d)`` in the all-gather, and sends
-    ``(n-1)·(s(ceil(d/n)) + s'(ceil(d/n)))`` in the two-phase exchange (an
-    all-to-all of its n compressed chunks, an all-gather of one chunk mean
-    compressed by the server codec, ``s'``, usually ``s``), summed
-    over the vectors, with ``s`` the codec's payload bytes (per-chunk scales
-    and word padding included). On a tie, ``"gather"``: one compression, no
-    server residual. That is every n <= 2 for every codec, and a tree of
-    small leaves where the chunks' scales and padding outweigh the saving.
-    Only codecs that set ``auto_two_phase`` (the quantisers and the uint16
-    cast) are considered: two-phase changes what a sparse codec selects, so
-    it stays an explicit choice there. Summed payloads (``kind="psum"``)
-    always take their one all-reduce (``"gather"``, the usual path).
-
-    Args:
-      mode: a checked ``exchange=`` option.
-      compressor: the transform's :class:`jaxcomm.Compressor`.
-      vectors: ``(d, dtype)`` of each vector compressed on its own.
-      n: workers on the axis; ``None`` (axis size not known, e.g. in ``init``
-        outside ``shard_map``): whether ``"auto"`` picks two-phase on some
-        axis size. Payload bytes grow with the chunk, so the smallest
-        two-phase figure is at chunks of one entry; two-phase, once chosen
-        at some n, is chosen at every larger n.
-
-    Returns:
-      ``"gather"``, ``"two_phase"`` or ``"reduce_scatter"``.
-    """
-    if mode != "auto":
-        return mode
-    if compressor.kind != "all_gather" or not compressor.auto_two_phase or not vectors:
-        return "gather"
-    if n is None:
-        n = max(2, max(d for d, _ in vectors))  # every chunk a single entry
-    traffic = accounting.exchange_traffic(compressor, vectors, n)
-    return "two_phase" if traffic["two_phase"] < traffic["gather"] else "gather"
 
 
 def two_phase(

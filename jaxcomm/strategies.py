@@ -1,280 +1,171 @@
-"""The exchange strategies of :func:`jaxcomm.core.compress`'s update pipeline.
+"""The exchange strategies of :func:`jaxcomm.core.compress`: one object each.
 
-:func:`jaxcomm.core.compress` runs its update as a sequence of stages (check
-the state, the step's key, ``g + e``, leaves grouped into vectors, the
-exchange, the new state), passing the values between them in one
-:class:`Step`. The exchange is one of the strategies below, chosen once per
-trace (from ``axis_name``, ``exchange=`` and the axis size); each has the
-same signature, ``(compressor, step, state, config) -> (updates, memory)``:
-the updates as flat leaves, and the new error-feedback memory (:class:`Memory`).
+A strategy is how a transform's payloads cross the wire. Each is an instance
+of a :class:`Strategy` subclass that owns, in one place:
 
-- :func:`local`: no axis; every vector is encoded and decoded here.
-- :func:`gather`: the payloads are summed (``kind="psum"``) or all-gathered,
+- its **name** (``exchange="gather"``, ...) and the compressors it accepts
+  (:meth:`Strategy.check`, when the transform is built);
+- its **server state**: whether ``init`` makes a second residual
+  (:meth:`Strategy.needs_server`);
+- its **choice**: which strategy a trace runs, checked that it can
+  (:meth:`Strategy.resolve`; ``"auto"`` picks by bytes);
+- its **traffic model**: the bytes one worker sends for the payloads
+  (:meth:`Strategy.traffic`, by :func:`jaxcomm.accounting.traffic_bytes`);
+- the **exchange** itself (:meth:`Strategy.run`): encode, exchange, decode,
+  the NaN rule and the new residuals, from the :class:`jaxcomm.stages.Step`.
+
+:func:`jaxcomm.core.compress` looks the ``exchange=`` option up in
+:data:`STRATEGIES` (or takes a :class:`Strategy` instance as it is) and
+dispatches through it; without an axis it runs :data:`LOCAL`.
+
+- :class:`Local`: no axis; every vector is encoded and decoded here.
+- :class:`Gather`: the payloads are summed (``kind="psum"``) or all-gathered,
   bucketed, with the dense leaves and the NaN rule's flag.
-- :func:`two_phase`: :func:`jaxcomm.exchange.two_phase`, with a server residual.
-- :func:`reduce_scatter`: :func:`jaxcomm.exchange.reduce_scatter`, shard-shaped updates.
+- :class:`TwoPhase`: :func:`jaxcomm.exchange.two_phase`, with a server residual.
+- :class:`ReduceScatter`: :func:`jaxcomm.exchange.reduce_scatter`, shard-shaped updates.
+- :class:`Auto`: the one of gather and two-phase that moves fewer bytes.
 
-Each strategy encodes, exchanges, decodes, applies the NaN rule (the update
-is NaN on every worker when some worker's ``g + e`` was not finite) and
-updates the residuals, keeping them as they were on such a step.
+Add an exchange strategy
+------------------------
+Subclass :class:`Strategy` (a frozen dataclass: options become fields), set
+``name`` and ``kinds`` (the compressor kinds it accepts), and write
+:meth:`Strategy.run` from the stages of :mod:`jaxcomm.stages` and the
+collectives of :mod:`jaxcomm.buckets` / :mod:`jaxcomm.collectives` (they
+record what is sent, so :func:`jaxcomm.wire_bytes` counts it) and
+:meth:`Strategy.traffic` (the bytes ``run`` sends for the payloads, by
+:func:`jaxcomm.accounting.traffic_bytes`). Override :meth:`Strategy.check`,
+:meth:`Strategy.needs_server` or :meth:`Strategy.resolve` only where it
+refuses more, keeps a server residual or picks another strategy. Pass an
+instance as ``exchange=``; to make it a name, add it to :data:`STRATEGIES`
+in this module. Nothing else changes. For example, every worker's decoded
+payload summed by one all-reduce:
+
+    @dataclasses.dataclass(frozen=True)
+    class DecodedSum(strategies.Strategy):
+        name: ClassVar[str] = "decoded_sum"
+        kinds: ClassVar[tuple[str, ...]] = ("all_gather",)
+
+        def traffic(self, compressor, vectors, n):
+            size = collectives.moved_itemsize
+            sent = [Collective("all_reduce", None, d * size(t), "", (d,)) for d, t in vectors]
+            return accounting.traffic_bytes(sent, n)
+
+        def run(self, compressor, step, state, config):
+            encoded, ok = stages.encode(compressor, step, config)
+            ...  # decode each own payload, buckets.bucketed_psum the vectors, put_mean
+            return outputs, stages.memory(compressor, step, state, encoded, ok, config)
+
+``tests/test_strategies.py`` builds that strategy in full and holds it to a
+NumPy reference and to the compiled program's bytes.
 """
 
-import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from jaxcomm import buckets, collectives, exchange
-
-Payload = tuple[jax.Array, ...]
-
-
-class Config(NamedTuple):
-    """The static options of one :func:`jaxcomm.core.compress` transform (checked)."""
-
-    axis_name: Any
-    error_feedback: bool
-    min_size: int
-    scope: str
-    bucket_bytes: int | None
-    mode: str
-    state_cls: type
+from jaxcomm import accounting, buckets, collectives, exchange, stages
+from jaxcomm.ledger import Collective
+from jaxcomm.protocol import path_str
+from jaxcomm.stages import Config, Memory, Payload, Step
 
 
-class Step(NamedTuple):
-    """The values one update passes from stage to stage (leaf lists in tree order).
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """An exchange strategy (see the module doc); subclasses set ``name`` and ``kinds``."""
 
-    Attributes:
-      treedef: the updates' tree structure.
-      with_path: ``(path, leaf)`` of every update leaf.
-      grads: the update leaves.
-      residuals: the residual leaves (``None`` without error feedback).
-      new_key: the state's next key; step_key: this step's key (``None``
-        for deterministic compressors).
-      compressible: indices of the leaves compressed; dense: the set of the
-        others (plain means).
-      ps: leaf index -> flat ``g + e`` in the gradient's dtype (what is encoded);
-        ps_state: the same in the residual's dtype, where that differs.
-      groups: leaf indices compressed as one vector (``scope``); vecs: each
-        group's vector; keys: each group's key (or ``None``).
-    """
+    name: ClassVar[str] = ""
+    kinds: ClassVar[tuple[str, ...]] = ("all_gather",)  # compressor kinds it accepts
 
-    treedef: Any
-    with_path: list
-    grads: list
-    residuals: list | None
-    new_key: Any = None
-    step_key: Any = None
-    compressible: list | None = None
-    dense: set | None = None
-    ps: dict | None = None
-    ps_state: dict | None = None
-    groups: list | None = None
-    vecs: list | None = None
-    keys: list | None = None
-
-
-class Memory(NamedTuple):
-    """What a strategy leaves for the new state.
-
-    Attributes:
-      residual: the new residual tree (``None`` without error feedback).
-      server: the new server residual tree (two-phase) or the state's, kept.
-      nonfinite: the state's count of non-finite steps, where the strategy
-        counted this step (:func:`local`, :func:`gather`); else ``None``, and
-      ok: whether every worker's ``g + e`` was finite, counted after the
-        state's step count (:func:`two_phase`, :func:`reduce_scatter`).
-    """
-
-    residual: Any
-    server: Any
-    nonfinite: Any = None
-    ok: Any = None
-
-
-Strategy = Callable[[Any, Step, Any, Config], tuple[list, Memory]]
-
-
-def _encode_all(
-    compressor: Any,
-    vecs: list[jax.Array],
-    keys: list[jax.Array | None],
-    axis_name: collectives.AxisName | None,
-    bucket_bytes: int | None,
-) -> list[tuple[Payload, Any]]:
-    """``(payload, aux)`` of every vector.
-
-    A compressor whose workers must first agree on a value per vector (the
-    optional ``agrees = True`` with ``to_agree(p, key)`` -> array, max over
-    workers, then ``encode_agreed(p, key, agreed)``; e.g. TernGrad's shared scale) gets all
-    vectors' values agreed in one bucketed all-reduce, not one per leaf.
-    """
-    if axis_name is not None and vecs and compressor.agrees:
-        values = [compressor.to_agree(v, k) for v, k in zip(vecs, keys)]
-        agreed = buckets.bucketed_pmax(values, axis_name, bucket_bytes)
-        out = [compressor.encode_agreed(v, k, a) for v, k, a in zip(vecs, keys, agreed)]
-    else:
-        out = [compressor.encode(v, k) for v, k in zip(vecs, keys)]
-    return [(tuple(payload), aux) for payload, aux in out]
-
-
-def _decode_mean(
-    compressor: Any, received: Payload, aux: Any, d: int, dtype: Any, n: int
-) -> jax.Array:
-    """Mean over ``n`` workers of the decoded (summed or gathered) payloads."""
-    return compressor.decode_mean(received, aux, d, dtype, n)
-
-
-def _flag(ok: jax.Array, payload: Payload, kind: str) -> jax.Array:
-    """The NaN rule's per-worker flag: 1 if this worker's ``g + e`` was not finite.
-
-    psum: one entry in the dtype of the last payload array (it joins that
-    dtype's bucket: no collective of its own); the sum is > 0 iff some
-    worker's flag was set. all_gather: one byte (gathered buckets are bytes).
-    """
-    dtype = jnp.result_type(payload[-1]) if kind == "psum" and payload else jnp.uint8
-    return (~ok).astype(dtype)
-
-
-def _slices(group: list[int], ps: dict[int, jax.Array]) -> list[tuple[int, slice]]:
-    """(leaf index, its slice of the group's concatenated vector) for each leaf."""
-    if len(group) == 1:
-        return [(group[0], slice(None))]
-    out, offset = [], 0
-    for i in group:
-        out.append((i, slice(offset, offset + ps[i].shape[0])))
-        offset += ps[i].shape[0]
-    return out
-
-
-def _all_finite(vecs: list[jax.Array]) -> jax.Array:
-    """This worker's vectors all finite (bool scalar), reading every entry."""
-    return (
-        jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
-        if vecs
-        else jnp.ones((), jnp.bool_)
-    )
-
-
-def _encode(compressor: Any, step: Step, config: Config) -> tuple[list, jax.Array]:
-    """Every group's ``(payload, aux)`` and whether this worker's ``g + e`` is all finite.
-
-    Top-k and threshold look only at what they selected, which includes any
-    NaN/Inf (their ``all_finite``); agreed over the axis by the exchange.
-    """
-    encoded = _encode_all(compressor, step.vecs, step.keys, config.axis_name, config.bucket_bytes)
-    ok = jnp.all(
-        jnp.stack(
-            [
-                compressor.all_finite(vec, payload, aux)
-                for vec, (payload, aux) in zip(step.vecs, encoded)
-            ]
-        )
-        if step.vecs
-        else jnp.ones((), jnp.bool_)
-    )
-    return encoded, ok
-
-
-def _put_mean(
-    compressor: Any,
-    step: Step,
-    group: list[int],
-    mean: jax.Array,
-    ok: jax.Array | None,
-    outputs: list,
-) -> None:
-    """Write a group's decoded mean into ``outputs``, NaN where some worker's was not finite
-    (``ok=None``: the mean holds that rule already)."""
-    if ok is not None and not compressor.carries_nonfinite:
-        # some worker's gradient was not finite: the update is NaN on every worker
-        mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
-    for i, sl in _slices(group, step.ps):
-        outputs[i] = mean[sl].reshape(step.grads[i].shape).astype(step.grads[i].dtype)
-
-
-def _decode_groups(
-    compressor: Any,
-    step: Step,
-    received: list[Payload],
-    encoded: list,
-    ok: jax.Array,
-    n: int | None,
-    outputs: list,
-) -> None:
-    """Decode every group's received payloads into ``outputs`` (the sum where ``n`` is None)."""
-    for gi, group in enumerate(step.groups):
-        vec, (_, aux) = step.vecs[gi], encoded[gi]
-        d, dtype = vec.shape[0], vec.dtype
-        if n is None:  # the NaN rule is applied by _put_mean
-            mean, rule = compressor.decode(received[gi], aux, d, dtype), ok
-        elif compressor.carries_nonfinite:
-            mean, rule = _decode_mean(compressor, received[gi], aux, d, dtype, n), None
-        else:  # the codec applies the NaN rule itself
-            mean, rule = compressor.decode_mean_checked(received[gi], aux, d, dtype, n, ok), None
-        _put_mean(compressor, step, group, mean, rule, outputs)
-
-
-def _kept(step: Step, group: list[int], ok: jax.Array, dtype: Any) -> jax.Array:
-    """The group's ``where(ok, p, e)`` (``p = g + e`` as :func:`jaxcomm.core._add_memory`
-    forms it), bit for bit, written ``where(ok, e - (-g), e)``: an expression of its own,
-    so that XLA fuses it from ``g`` and ``e`` and does not write ``p`` out for it and the
-    encoder to read (``e - (-g)`` is ``g + e`` in IEEE arithmetic; as ``g + e`` it was
-    merged with the encoder's ``p``)."""
-    parts = {}
-    for i in group:
-        e = step.residuals[i].reshape(-1)
-        g = step.grads[i].reshape(-1).astype(e.dtype)
-        parts[i] = jnp.where(ok, e - (-g), e).astype(dtype)
-    return _group_state(parts, group)
-
-
-def _memory(
-    compressor: Any, step: Step, state: Any, encoded: list, ok: jax.Array, config: Config
-) -> Memory:
-    """The residuals after :func:`local` or :func:`gather`: ``p - decode(own payload)``.
-
-    Left unchanged on a step where some worker's ``g + e`` was not finite
-    (counted in ``nonfinite``).
-    """
-    if not config.error_feedback:
-        return Memory(None, state.server, state.nonfinite)
-    residuals, ps, ps_state = step.residuals, step.ps, step.ps_state
-    new_res = list(residuals)
-    for gi, group in enumerate(step.groups):
-        vec, (payload, aux) = step.vecs[gi], encoded[gi]
-        if any(i in ps_state for i in group):  # the residual's precision
-            dtype = jnp.result_type(*[residuals[i].dtype for i in group])
-            vec = (
-                jnp.concatenate([ps_state.get(i, ps[i]).astype(dtype) for i in group])
-                if len(group) > 1
-                else ps_state[group[0]]
+    def check(self, compressor: Any, *, scope: str) -> None:
+        """Raise if the transform cannot run this strategy (when it is built)."""
+        if compressor.kind not in self.kinds:
+            raise ValueError(
+                f"exchange: {self.name!r} is for compressors whose payloads are all-gathered; "
+                f"this one's payloads are summed (kind={compressor.kind!r}), already a single "
+                "all-reduce"
             )
-        old = _group_state({i: residuals[i].astype(vec.dtype) for i in group}, group)
-        # selects, not a lax.cond: a cond copied both branches on XLA:CPU, and its
-        # predicate goes to the host on GPU
-        kept = functools.partial(_kept, step, group, ok, vec.dtype)
-        res = compressor.residual_checked(vec, old, kept, payload, aux, ok)
-        for i, sl in _slices(group, ps):
-            new_res[i] = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-    nonfinite = state.nonfinite
-    if step.groups:
-        nonfinite = nonfinite + (~ok).astype(jnp.int32)
-    return Memory(step.treedef.unflatten(new_res), state.server, nonfinite)
+        if compressor.agrees:
+            raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")
+
+    def needs_server(self, compressor: Any, leaves: list, config: Config) -> bool:
+        """Whether ``init`` (of ``leaves``, with error feedback on an axis) makes ``server``."""
+        return False
+
+    def resolve(self, compressor: Any, step: Step, state: Any, config: Config) -> "Strategy":
+        """The strategy this trace runs (on a bound axis), checked that it can run."""
+        return self
+
+    def traffic(self, compressor: Any, vectors: list[tuple[int, Any]], n: int) -> float:
+        """Bytes one worker sends for the payloads of ``vectors`` (``(d, dtype)``) on ``n``."""
+        raise NotImplementedError(f"{type(self).__name__}.traffic")
+
+    def run(self, compressor: Any, step: Step, state: Any, config: Config) -> tuple[list, Memory]:
+        """The exchange: the updates as flat leaves (tree order) and the new memory."""
+        raise NotImplementedError(f"{type(self).__name__}.run")
 
 
-def local(compressor: Any, step: Step, state: Any, config: Config) -> tuple[list, Memory]:
+def _sizes(compressor: Any, n: int):
+    """``s(d, dtype, codec)``: payload bytes (:func:`jaxcomm.accounting.payload_bytes`), cached."""
+    cache: dict[tuple[int, int, str], int] = {}
+
+    def s(d, dtype, codec=compressor):
+        k = (id(codec), d, jnp.dtype(dtype).name)
+        if k not in cache:
+            cache[k] = accounting.payload_bytes(codec, d, dtype, n)
+        return cache[k]
+
+    return s
+
+
+# --- the strategies -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Local(Strategy):
     """No axis (``axis_name=None``): every vector encoded and decoded on this worker."""
-    encoded, ok = _encode(compressor, step, config)
-    outputs = [g if i in step.dense else None for i, g in enumerate(step.grads)]
-    received = [
-        payload if compressor.kind == "psum" else tuple(x[None] for x in payload)
-        for payload, _ in encoded
-    ]
-    _decode_groups(compressor, step, received, encoded, ok, None, outputs)
-    return outputs, _memory(compressor, step, state, encoded, ok, config)
+
+    name: ClassVar[str] = "local"
+    kinds: ClassVar[tuple[str, ...]] = ("psum", "all_gather")
+
+    def traffic(self, compressor, vectors, n):
+        return 0.0
+
+    def run(self, compressor, step, state, config):
+        encoded, ok = stages.encode(compressor, step, config)
+        outputs = [g if i in step.dense else None for i, g in enumerate(step.grads)]
+        received = [
+            payload if compressor.kind == "psum" else tuple(x[None] for x in payload)
+            for payload, _ in encoded
+        ]
+        stages.decode_groups(compressor, step, received, encoded, ok, None, outputs)
+        return outputs, stages.memory(compressor, step, state, encoded, ok, config)
+
+
+DENSE_RIDE_BYTES = 64 * 2**10
+"""Bytes a gather-path step may add per worker to save one collective (see :func:`dense_rides`)."""
+
+
+def dense_rides(n: int, dense_bytes: int) -> bool:
+    """Whether an all-gathered codec's dense (small) leaves ride in its all-gather.
+
+    A step then runs one collective per bucket instead of an all-gather beside
+    an all-reduce of the small leaves. Gathering ``s`` bytes instead of
+    all-reducing them receives ``(n-1)·s`` instead of ``2(n-1)/n·s``: nothing
+    more on 2 workers, ``(n-1)(n-2)/n·s`` more on n, against one collective's
+    fixed latency α saved. α times the bandwidth is about 1 MB for NCCL in a
+    node (~10 µs at 100 GB/s), a few MB for gloo over TCP (a few ms per
+    collective at 1-10 Gbit/s) and 0.6 MB across regions (50 ms at 100
+    Mbit/s); the rule keeps the added bytes under :data:`DENSE_RIDE_BYTES`
+    (64 KiB), well below all of them. The two-phase exchange needs no rule:
+    its small leaves ride in both phases at a ring all-reduce's bytes.
+
+    Args:
+      n: workers on the axis.
+      dense_bytes: bytes of the small leaves a worker holds.
+    """
+    return n <= 2 or (n - 1) * (n - 2) / n * dense_bytes <= DENSE_RIDE_BYTES
 
 
 def _wire(
@@ -283,8 +174,8 @@ def _wire(
     """Dense leaves (plain means, into ``outputs``) and payloads over the axis, in leaf order.
 
     Bucketed, one collective per bucket; the NaN rule's flag rides in the
-    first bucket (see :func:`_flag`). Returns every group's received payload,
-    whether every worker's ``g + e`` was finite, and the number of workers.
+    first bucket (see :func:`jaxcomm.stages.flag`). Returns every group's received
+    payload, whether every worker's ``g + e`` was finite, and the number of workers.
     """
     n = collectives.axis_size(config.axis_name)
     first = {group[0]: gi for gi, group in enumerate(step.groups)}
@@ -293,14 +184,14 @@ def _wire(
     # the small leaves ride in the payload's all-gather as raw words (one collective per
     # bucket) unless gathering them costs more bytes than a collective's latency
     dense_bytes = sum(step.grads[i].size * step.grads[i].dtype.itemsize for i in step.dense)
-    ride = dest is gathered and step.groups and exchange.dense_rides(n, dense_bytes)
+    ride = dest is gathered and step.groups and dense_rides(n, dense_bytes)
     for i in range(len(step.grads)):
         if i in step.dense:
             (gathered if ride else summed).append((("leaf", i), step.grads[i]))
         if i in first:
             dest.extend((("group", first[i]), x) for x in encoded[first[i]][0])
     if step.groups and not compressor.carries_nonfinite:
-        dest.append((("flag", 0), _flag(ok, encoded[-1][0], compressor.kind)))
+        dest.append((("flag", 0), stages.flag(ok, encoded[-1][0], compressor.kind)))
     sums = buckets.bucketed_psum([x for _, x in summed], config.axis_name, config.bucket_bytes)
     gath = buckets.bucketed_all_gather(
         [x for _, x in gathered], config.axis_name, config.bucket_bytes
@@ -317,21 +208,31 @@ def _wire(
     return [tuple(parts[gi]) for gi in range(len(step.groups))], ok, n
 
 
-def gather(compressor: Any, step: Step, state: Any, config: Config) -> tuple[list, Memory]:
-    """The payloads summed (``kind="psum"``) or all-gathered over the axis, bucketed."""
-    encoded, ok = _encode(compressor, step, config)
-    outputs: list[jax.Array | None] = [None] * len(step.grads)
-    received, ok, n = _wire(compressor, step, encoded, ok, config, outputs)
-    _decode_groups(compressor, step, received, encoded, ok, n, outputs)
-    return outputs, _memory(compressor, step, state, encoded, ok, config)
+@dataclasses.dataclass(frozen=True)
+class Gather(Strategy):
+    """The payloads summed (``kind="psum"``) or all-gathered over the axis, bucketed.
 
+    Traffic: ``(n-1)·s(d)`` per all-gathered vector, ``2(n-1)/n·s(d)`` per summed one.
+    """
 
-def _group_state(tree_leaves: Any, group: list[int]) -> jax.Array | None:
-    """A group's leaves of ``tree_leaves`` (indexable by leaf), flat and concatenated."""
-    if tree_leaves is None:
-        return None
-    parts = [tree_leaves[i].reshape(-1) for i in group]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    name: ClassVar[str] = "gather"
+    kinds: ClassVar[tuple[str, ...]] = ("psum", "all_gather")
+
+    def check(self, compressor, *, scope):
+        pass  # every compressor; agreeing ones agree in one bucketed all-reduce
+
+    def traffic(self, compressor, vectors, n):
+        s = _sizes(compressor, n)
+        kind = "all_reduce" if compressor.kind == "psum" else "all_gather"
+        sent = [Collective(kind, None, s(d, t), "uint8", (s(d, t),)) for d, t in vectors]
+        return accounting.traffic_bytes(sent, n)
+
+    def run(self, compressor, step, state, config):
+        encoded, ok = stages.encode(compressor, step, config)
+        outputs: list[jax.Array | None] = [None] * len(step.grads)
+        received, ok, n = _wire(compressor, step, encoded, ok, config, outputs)
+        stages.decode_groups(compressor, step, received, encoded, ok, n, outputs)
+        return outputs, stages.memory(compressor, step, state, encoded, ok, config)
 
 
 def _two_phase_memory(
@@ -340,69 +241,238 @@ def _two_phase_memory(
     """A group's residual ``p - own`` and server residual, into ``new = (residuals, servers)``."""
     residuals, (new_res, new_srv) = step.residuals, new
     dtype = jnp.result_type(*[residuals[i].dtype for i in group])
-    vec = _group_state({i: step.ps_state.get(i, step.ps[i]) for i in group}, group).astype(dtype)
+    parts = {i: step.ps_state.get(i, step.ps[i]) for i in group}
+    vec = stages.group_state(parts, group).astype(dtype)
     res = vec - own.astype(dtype)
-    for i, sl in _slices(group, step.ps):
+    for i, sl in stages.slices(group, step.ps):
         r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
         new_res[i] = jnp.where(ok, r, residuals[i])
         new_srv[i] = server[sl].reshape(residuals[i].shape)
 
 
-def two_phase(compressor: Any, step: Step, state: Any, config: Config) -> tuple[list, Memory]:
-    """:func:`jaxcomm.exchange.two_phase` for the payloads; error feedback on both sides."""
-    ok = _all_finite(step.vecs)
-    axis_name, bucket_bytes, ef = config.axis_name, config.bucket_bytes, config.error_feedback
-    n = collectives.axis_size(axis_name)
-    outputs: list[jax.Array | None] = [None] * len(step.grads)
-    dense_ids = sorted(step.dense)
-    server_leaves = step.treedef.flatten_up_to(state.server) if ef else None
-    servers = [_group_state(server_leaves, g) for g in step.groups]
-    dense = [step.grads[i] for i in dense_ids]  # ride in both phases
-    means, own, new_servers, ok, sums = exchange.two_phase(
-        compressor, step.vecs, step.keys, servers, ok, axis_name, bucket_bytes, dense
-    )
-    for i, x in zip(dense_ids, sums):
-        outputs[i] = x / jnp.asarray(n, x.dtype)
-    new = (list(step.residuals), list(server_leaves)) if ef else None
-    for gi, group in enumerate(step.groups):
-        _put_mean(compressor, step, group, means[gi], ok, outputs)
-        if ef:
-            _two_phase_memory(step, group, own[gi], new_servers[gi], ok, new)
-    if not ef:
-        return outputs, Memory(None, None, ok=ok)
-    return outputs, Memory(step.treedef.unflatten(new[0]), step.treedef.unflatten(new[1]), ok=ok)
+def _counted(state: Any, ok: jax.Array) -> jax.Array:
+    """The state's count of non-finite steps, this one counted if some ``g + e`` was not."""
+    return state.nonfinite + (~ok).astype(jnp.int32)
 
 
-def reduce_scatter(compressor: Any, step: Step, state: Any, config: Config) -> tuple[list, Memory]:
+@dataclasses.dataclass(frozen=True)
+class TwoPhase(Strategy):
+    """:func:`jaxcomm.exchange.two_phase` for the payloads; error feedback on both sides.
+
+    Traffic: ``(n-1)·(s(c) + s'(c))`` per vector, ``c = ceil(d/n)``, ``s'`` the
+    payload of the compressor's ``server_codec()``: an all-to-all of n chunk
+    payloads and an all-gather of one compressed chunk mean.
+    """
+
+    name: ClassVar[str] = "two_phase"
+
+    def needs_server(self, compressor, leaves, config):
+        return True
+
+    def resolve(self, compressor, step, state, config):
+        if config.error_feedback and state.server is None:
+            n = collectives.axis_size(config.axis_name)
+            raise ValueError(
+                f"state.server is None, but exchange={config.strategy.name!r} runs the "
+                f"two-phase exchange on {n} workers for these updates and needs its server "
+                "residual: the state was made by init on an axis size where 'auto' picks "
+                "'gather' (or saved by a transform with exchange='gather'). Make the state "
+                "with tx.init(params) outside shard_map, or build the transform with "
+                "exchange='gather' to keep using this state."
+            )
+        return self
+
+    def traffic(self, compressor, vectors, n):
+        s, server, sent = _sizes(compressor, n), compressor.server_codec(), []
+        for d, dtype in vectors:
+            c = -(-d // n)
+            sc, ss = s(c, dtype), s(c, dtype, server)
+            sent.append(Collective("all_to_all", None, n * sc, "uint8", (n, sc)))
+            sent.append(Collective("all_gather", None, ss, "uint8", (ss,)))
+        return accounting.traffic_bytes(sent, n)
+
+    def run(self, compressor, step, state, config):
+        ok = stages.all_finite(step.vecs)
+        axis_name, bucket_bytes, ef = config.axis_name, config.bucket_bytes, config.error_feedback
+        n = collectives.axis_size(axis_name)
+        outputs: list[jax.Array | None] = [None] * len(step.grads)
+        dense_ids = sorted(step.dense)
+        server_leaves = step.treedef.flatten_up_to(state.server) if ef else None
+        servers = [stages.group_state(server_leaves, g) for g in step.groups]
+        dense = [step.grads[i] for i in dense_ids]  # ride in both phases
+        means, own, new_servers, ok, sums = exchange.two_phase(
+            compressor, step.vecs, step.keys, servers, ok, axis_name, bucket_bytes, dense
+        )
+        for i, x in zip(dense_ids, sums):
+            outputs[i] = x / jnp.asarray(n, x.dtype)
+        new = (list(step.residuals), list(server_leaves)) if ef else None
+        for gi, group in enumerate(step.groups):
+            stages.put_mean(compressor, step, group, means[gi], ok, outputs)
+            if ef:
+                _two_phase_memory(step, group, own[gi], new_servers[gi], ok, new)
+        if not ef:
+            return outputs, Memory(None, None, _counted(state, ok))
+        residual, server = (step.treedef.unflatten(x) for x in new)
+        return outputs, Memory(residual, server, _counted(state, ok))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatter(Strategy):
     """:func:`jaxcomm.exchange.reduce_scatter`: this worker's shard of each leaf's mean.
 
-    Every leaf's first dimension is a multiple of the axis size (checked
-    when the strategy is chosen); the update has shape ``(shape[0] // n, *shape[1:])``.
+    Every leaf's first dimension must be a multiple of the axis size (checked
+    in :meth:`resolve`); the update has shape ``(shape[0] // n, *shape[1:])``.
+    Traffic: ``(n-1)·s(c)`` per vector, an all-to-all of n chunk payloads.
     """
-    ok = _all_finite(step.vecs)
-    axis_name, bucket_bytes, grads = config.axis_name, config.bucket_bytes, step.grads
-    n = collectives.axis_size(axis_name)
-    shard = [(g.shape[0] // n,) + g.shape[1:] for g in grads]
-    outputs: list[jax.Array | None] = [None] * len(grads)
-    dense_ids = sorted(step.dense)
-    sums = buckets.bucketed_psum_scatter(
-        [grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes
-    )
-    for i, x in zip(dense_ids, sums):
-        outputs[i] = (x / jnp.asarray(n, x.dtype)).reshape(shard[i])
-    chunks, own, ok = exchange.reduce_scatter(
-        compressor, step.vecs, step.keys, ok, axis_name, bucket_bytes
-    )
-    new_res = list(step.residuals) if config.error_feedback else None
-    for gi, group in enumerate(step.groups):
-        (i,) = group  # scope="leaf"
-        chunk = chunks[gi][: grads[i].size // n]
-        if not compressor.carries_nonfinite:
-            chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
-        outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
-        if config.error_feedback:
-            dtype = step.residuals[i].dtype
-            res = step.ps_state.get(i, step.ps[i]).astype(dtype) - own[gi].astype(dtype)
-            new_res[i] = jnp.where(ok, res.reshape(step.residuals[i].shape), step.residuals[i])
-    residual = step.treedef.unflatten(new_res) if config.error_feedback else None
-    return outputs, Memory(residual, state.server, ok=ok)
+
+    name: ClassVar[str] = "reduce_scatter"
+
+    def check(self, compressor, *, scope):
+        super().check(compressor, scope=scope)
+        if scope != "leaf":
+            raise ValueError("exchange: 'reduce_scatter' shards each leaf; it needs scope='leaf'")
+
+    def resolve(self, compressor, step, state, config):
+        n = collectives.axis_size(config.axis_name)
+        for path, g in step.with_path:
+            if g.ndim == 0 or g.shape[0] % n:
+                raise ValueError(
+                    f"exchange='reduce_scatter': leaf {path_str(path)} has shape {g.shape}; its "
+                    f"first dimension must be a multiple of the {n} workers (the shard axis)"
+                )
+        return self
+
+    def traffic(self, compressor, vectors, n):
+        s = _sizes(compressor, n)
+        sent = []
+        for d, dtype in vectors:
+            sc = s(-(-d // n), dtype)
+            sent.append(Collective("all_to_all", None, n * sc, "uint8", (n, sc)))
+        return accounting.traffic_bytes(sent, n)
+
+    def run(self, compressor, step, state, config):
+        ok = stages.all_finite(step.vecs)
+        axis_name, bucket_bytes, grads = config.axis_name, config.bucket_bytes, step.grads
+        n = collectives.axis_size(axis_name)
+        shard = [(g.shape[0] // n,) + g.shape[1:] for g in grads]
+        outputs: list[jax.Array | None] = [None] * len(grads)
+        dense_ids = sorted(step.dense)
+        sums = buckets.bucketed_psum_scatter(
+            [grads[i].reshape(-1) for i in dense_ids], axis_name, bucket_bytes
+        )
+        for i, x in zip(dense_ids, sums):
+            outputs[i] = (x / jnp.asarray(n, x.dtype)).reshape(shard[i])
+        chunks, own, ok = exchange.reduce_scatter(
+            compressor, step.vecs, step.keys, ok, axis_name, bucket_bytes
+        )
+        new_res = list(step.residuals) if config.error_feedback else None
+        for gi, group in enumerate(step.groups):
+            (i,) = group  # scope="leaf"
+            chunk = chunks[gi][: grads[i].size // n]
+            if not compressor.carries_nonfinite:
+                chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
+            outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
+            if config.error_feedback:
+                dtype = step.residuals[i].dtype
+                res = step.ps_state.get(i, step.ps[i]).astype(dtype) - own[gi].astype(dtype)
+                new_res[i] = jnp.where(ok, res.reshape(step.residuals[i].shape), step.residuals[i])
+        residual = step.treedef.unflatten(new_res) if config.error_feedback else None
+        return outputs, Memory(residual, state.server, _counted(state, ok))
+
+
+LOCAL = Local()
+GATHER = Gather()
+TWO_PHASE = TwoPhase()
+REDUCE_SCATTER = ReduceScatter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto(Strategy):
+    """Gather or two-phase, whichever moves fewer bytes per worker (:meth:`choose`)."""
+
+    name: ClassVar[str] = "auto"
+    kinds: ClassVar[tuple[str, ...]] = ("psum", "all_gather")
+
+    def check(self, compressor, *, scope):
+        pass  # valid for every kind: for summed payloads it is their one all-reduce
+
+    def choose(self, compressor: Any, vectors: list[tuple[int, Any]], n: int | None) -> Strategy:
+        """The strategy ``"auto"`` runs for ``compressor``'s payloads of ``vectors`` on ``n``.
+
+        For all-gathered payloads, the one of :data:`GATHER` and
+        :data:`TWO_PHASE` whose :meth:`Strategy.traffic` is smaller: each
+        worker receives ``(n-1)·s(d)`` in the all-gather, and sends
+        ``(n-1)·(s(ceil(d/n)) + s'(ceil(d/n)))`` in the two-phase exchange,
+        summed over the vectors, with ``s`` the codec's payload bytes
+        (per-chunk scales and word padding included). On a tie, gather: one
+        compression, no server residual. That is every n <= 2 for every
+        codec, and a tree of small leaves where the chunks' scales and padding
+        outweigh the saving. Only codecs that set ``auto_two_phase`` (the
+        quantisers and the uint16 cast) are considered: two-phase changes
+        what a sparse codec selects, so it stays an explicit choice there.
+        Summed payloads (``kind="psum"``) always take their one all-reduce.
+
+        Args:
+          compressor: the transform's :class:`jaxcomm.Compressor`.
+          vectors: ``(d, dtype)`` of each vector compressed on its own.
+          n: workers on the axis; ``None`` (axis size not known, e.g. in ``init``
+            outside ``shard_map``): whether two-phase is picked on some axis
+            size. Payload bytes grow with the chunk, so the smallest two-phase
+            figure is at chunks of one entry; two-phase, once chosen at some n,
+            is chosen at every larger n.
+        """
+        if compressor.kind != "all_gather" or not compressor.auto_two_phase or not vectors:
+            return GATHER
+        if n is None:
+            n = max(2, max(d for d, _ in vectors))  # every chunk a single entry
+        two = TWO_PHASE.traffic(compressor, vectors, n)
+        return TWO_PHASE if two < GATHER.traffic(compressor, vectors, n) else GATHER
+
+    def needs_server(self, compressor, leaves, config):
+        n = collectives.bound_axis_size(config.axis_name)  # where init sees the axis
+        specs = stages.vector_specs(leaves, config)
+        return self.choose(compressor, specs, n).needs_server(compressor, leaves, config)
+
+    def resolve(self, compressor, step, state, config):
+        specs = [(v.shape[0], v.dtype) for v in step.vecs]
+        chosen = self.choose(compressor, specs, collectives.axis_size(config.axis_name))
+        return chosen.resolve(compressor, step, state, config)
+
+    def traffic(self, compressor, vectors, n):
+        return self.choose(compressor, vectors, n).traffic(compressor, vectors, n)
+
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (GATHER, TWO_PHASE, Auto(), REDUCE_SCATTER)}
+"""The strategies ``exchange=`` names, by name (:data:`LOCAL` runs where there is no axis)."""
+
+EXCHANGES = tuple(STRATEGIES)
+"""The names ``exchange=`` accepts."""
+
+
+def get(exchange_option: "str | Strategy") -> Strategy:
+    """The strategy an ``exchange=`` option names (a :class:`Strategy` is taken as it is)."""
+    if isinstance(exchange_option, Strategy):
+        return exchange_option
+    if isinstance(exchange_option, str) and exchange_option in STRATEGIES:
+        return STRATEGIES[exchange_option]
+    raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange_option!r}")
+
+
+def exchange_traffic(
+    compressor: Any, vectors: list[tuple[int, Any]], n_workers: int
+) -> dict[str, float]:
+    """Bytes one worker sends for the payloads of ``vectors``: all-gather vs two-phase.
+
+    ``{"gather": GATHER.traffic(...), "two_phase": TWO_PHASE.traffic(...)}``,
+    the figures behind ``exchange="auto"`` (:meth:`Auto.choose`). Only the
+    payloads: dense leaves, the NaN flag (1 byte in an all-gather either way)
+    and a key agreement are the same on both paths.
+
+    Example:
+      >>> comp = jaxcomm.compressors.quantize.Int8(512, False)
+      >>> jaxcomm.strategies.exchange_traffic(comp, [(2**20, jnp.float32)], 8)
+      {'gather': 7397376, 'two_phase': 1849344.0}
+    """
+    if n_workers < 1:
+        raise ValueError(f"n_workers: must be >= 1, got {n_workers}")
+    return {s.name: s.traffic(compressor, vectors, n_workers) for s in (GATHER, TWO_PHASE)}

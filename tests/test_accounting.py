@@ -13,7 +13,7 @@ from tests import helpers as H
 
 PARAMS = {"w": jnp.zeros((100, 50)), "e": jnp.zeros((3000,)), "b": jnp.zeros((10,))}
 DENSE_B = 10 * 4  # "b" is below min_size=1024: dense fp32
-# The NaN rule's flag (jaxcomm.strategies._flag): one byte in an all-gather, one entry of the
+# The NaN rule's flag (jaxcomm.stages.flag): one byte in an all-gather, one entry of the
 # payload's dtype in a psum.
 GATHER_FLAG = 1
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm import accounting, buckets, exchange, netsim
+from jaxcomm import accounting, buckets, netsim, strategies
 from jaxcomm.ledger import Collective
 from tests import helpers as H
 from tests.test_registry import REGISTRY
@@ -167,7 +167,7 @@ def test_small_leaves_riding_equal_their_all_reduce(name, monkeypatch):
     g = H.per_worker_grads(MANY, seed=4)
     tx = REGISTRY[name]("data")
     ride, _ = H.shard_map_update(tx, g, H.stack(tx.init(MANY)))
-    monkeypatch.setattr(exchange, "dense_rides", lambda n, nbytes: False)
+    monkeypatch.setattr(strategies, "dense_rides", lambda n, nbytes: False)
     tx = REGISTRY[name]("data")
     fn, sh = H.sharded(tx)
     apart, _ = fn(jax.device_put(g, sh), jax.device_put(H.stack(tx.init(MANY)), sh))
@@ -180,11 +180,11 @@ def test_small_leaves_riding_equal_their_all_reduce(name, monkeypatch):
 
 
 def test_the_ride_rule_weighs_added_bytes_against_a_collective():
-    assert exchange.dense_rides(2, 10**9)  # on 2 workers gathering adds no bytes
-    bound = exchange.DENSE_RIDE_BYTES
+    assert strategies.dense_rides(2, 10**9)  # on 2 workers gathering adds no bytes
+    bound = strategies.DENSE_RIDE_BYTES
     # on n workers gathering s receives (n-1)(n-2)/n * s more than a ring all-reduce
     s8 = bound * 8 // (7 * 6)
-    assert exchange.dense_rides(8, s8) and not exchange.dense_rides(8, s8 + 1)
+    assert strategies.dense_rides(8, s8) and not strategies.dense_rides(8, s8 + 1)
     for small, want in ((s8 // 4, ["all_gather"]), (s8 // 4 + 1, ["all_gather", "all_reduce"])):
         tree = {"small": jnp.zeros((small,)), "big": jnp.zeros((small + 1,))}
         tx = jaxcomm.topk(0.05, axis_name="data", min_size=small + 1)

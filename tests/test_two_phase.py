@@ -262,7 +262,7 @@ def test_twobit_two_phase_bytes_analytic_equal_hlo():
     assert jaxcomm.accounting.collective_bytes(compiled) == two
     assert "all_to_all" in {c.kind for c in jaxcomm.accounting.hlo_collectives(compiled)}
     comp = jaxcomm.compressors.sign.TwoBit(0.5)
-    traffic = jaxcomm.accounting.exchange_traffic(comp, [(d, jnp.float32) for d in SIZES], N)
+    traffic = jaxcomm.strategies.exchange_traffic(comp, [(d, jnp.float32) for d in SIZES], N)
     assert traffic["two_phase"] == (N - 1) * sum(2 * codes(c) + 4 for c in chunks)
 
 
@@ -358,7 +358,7 @@ def test_a_tie_is_the_gather():
     )
     params = {"w": jnp.zeros((32, 32)), "v": jnp.zeros((6,))}
     comp = dense.Cast(jnp.bfloat16, "all_gather")
-    traffic = jaxcomm.accounting.exchange_traffic(comp, [(1024, jnp.float32), (6, jnp.float32)], 2)
+    traffic = jaxcomm.strategies.exchange_traffic(comp, [(1024, jnp.float32), (6, jnp.float32)], 2)
     assert traffic["gather"] == traffic["two_phase"] == 2 * (1024 + 6)
     assert jaxcomm.wire_bytes(tx, params, 2) == 2 * (1024 + 6)  # no NaN flag: NaN rides along
     kinds = lambda n: {c.kind for c in jaxcomm.accounting.wire_report(tx, params, n)}  # noqa: E731

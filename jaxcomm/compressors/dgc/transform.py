@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, core, exchange
+from jaxcomm import buckets, checks, collectives, core, strategies
 from jaxcomm.branches import typed_switch
 from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.dgc import selection
@@ -236,9 +236,9 @@ def dgc(
         # dense: mean of the momentum = momentum of the mean
         sends = [acc[i].astype(grads[i].dtype) for i in dense]
         # they ride in the values' all-gather (one collective per bucket) unless gathering
-        # them costs more bytes than a collective's latency (exchange.dense_rides)
+        # them costs more bytes than a collective's latency (strategies.dense_rides)
         dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
-        ride = axis_name is not None and bool(sparse) and exchange.dense_rides(n, dense_bytes)
+        ride = axis_name is not None and bool(sparse) and strategies.dense_rides(n, dense_bytes)
         if axis_name is not None and not ride:
             sends = buckets.bucketed_pmean(sends, axis_name, bucket_bytes)
         if not ride:
