@@ -61,35 +61,30 @@ def define_flags() -> None:
     flags.DEFINE_string("procs_bucket_mib", "1,25", "other bucket sizes (MiB) timed, 2 processes")
 
 
-# transform -> (method of jaxcomm.methods, its options); the all-gather codecs on the path
-# the committed table measured (exchange="gather", not "auto"); keys from seed 0
-_G = {"exchange": "gather"}
+# transform -> its case of experiments.bench.compressors (a method of jaxcomm.methods and its
+# options; the all-gather codecs on the path the committed table measured, exchange="gather")
 TRANSFORMS = {
-    "allreduce": ("allreduce", {}),
-    "cast": ("cast", {"dtype": "bfloat16", "accumulate": "psum"}),
-    "int8": ("int8", _G),
-    "qsgd": ("qsgd", {"levels": 16, **_G}),
-    "terngrad": ("terngrad", {}),
-    "onebit": ("onebit", _G),
-    "ef_sign": ("ef_sign", _G),
-    "sign_majority": ("sign_majority", {}),
-    "twobit": ("twobit", {"threshold": 0.5, **_G}),
-    "topk": ("topk", {"ratio": 0.01}),
-    "randomk": ("randomk", {"ratio": 0.01}),
-    "threshold": ("threshold", {"ratio": 0.01}),
-    "powersgd": ("powersgd", {"rank": 2}),
-    "dgc": ("dgc", {"ratio": 0.01}),
+    "allreduce": "allreduce",
+    "cast": "cast_bf16",
+    "int8": "int8",
+    "qsgd": "qsgd16",
+    **{name: name for name in ("terngrad", "onebit", "ef_sign", "sign_majority", "twobit")},
+    **{name: name for name in ("topk", "randomk", "threshold")},
+    "powersgd": "powersgd_r2",
+    "dgc": "dgc",
 }
+RATIO = 0.01  # the sparsifiers' (top-k, random-k, threshold, DGC)
 
 
 def _transforms():
     """Name -> ``make(**options)`` building the transform over axis ``"data"``."""
-    from jaxcomm import methods
+    from experiments.bench import compressors
 
-    def maker(method, kwargs):
-        return lambda **kw: methods.make(method, **kwargs, **kw, axis_name="data")
+    def maker(case):
+        method, kwargs = compressors.CASES[case]
+        return lambda **kw: compressors.build_method(method, {**kwargs, **kw}, RATIO)
 
-    return {name: maker(*spec) for name, spec in TRANSFORMS.items()}
+    return {name: maker(case) for name, case in TRANSFORMS.items()}
 
 
 def _trees():
