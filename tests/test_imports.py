@@ -6,7 +6,9 @@ over a traced program) import nothing of jaxcomm; ``collectives`` (thin
 wrappers over lax collectives) nothing but the ledger;
 ``branches`` (``lax.cond``/``lax.switch`` typed alike under shard_map) and
 ``buckets`` (tensor fusion) are built on them; ``accounting`` reads the ledger
-and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) sits on top.
+and HLO; ``exchange`` (two-phase, hierarchical, ring all-reduce) and ``stages``
+(the pipeline's shared stages) are built on buckets; ``strategies`` (the exchange
+strategies as objects) on them, and ``core`` dispatches through the strategies.
 The training harness (``experiments.train`` over ``optimizers`` and
 ``checkpoints``) and what it imports have no cycle either. The user guide
 (``jaxcomm.guide``) is an index and chapters of docstrings, none over 400 lines,
@@ -149,6 +151,11 @@ def test_the_communication_layers():
         "jaxcomm.ledger",
     }
     assert graph["jaxcomm.branches"] <= {"jaxcomm.collectives"}
+    # the exchange algorithms and the pipeline's stages under the strategies, core on top
+    assert graph["jaxcomm.exchange"] <= {"jaxcomm.buckets", "jaxcomm.collectives"}
+    assert graph["jaxcomm.stages"] <= {"jaxcomm.buckets", "jaxcomm.collectives"}
+    assert {"jaxcomm.exchange", "jaxcomm.stages"} <= graph["jaxcomm.strategies"]
+    assert "jaxcomm.exchange" not in graph["jaxcomm.core"]  # it dispatches via strategies
 
 
 def test_the_harness_modules_import_each_other_without_a_cycle():
