@@ -4,7 +4,8 @@ Command:
   python -m experiments.main --config experiments/configs/digits_mlp.py --workdir runs/digits_mlp
 Variants (``:NAME`` after the file): dense, dense_leaf, bf16, bf16_words, topk (default),
 threshold, dgc, powersgd, ef_sign, ef_sign_2p, qsgd, int8, int8_2p, int8_auto, local_sgd,
-diloco, streaming_int8, accumulate, policy, auto. ef_sign, qsgd and int8 pin the all-gather
+diloco, streaming_int8, accumulate, policy, auto, or any compressor of :mod:`jaxcomm.methods`
+with its defaults (e.g. a codec just added). ef_sign, qsgd and int8 pin the all-gather
 exchange (their recorded results); int8_auto is jaxcomm's default (``exchange="auto"``:
 two-phase on more than 2 workers). E.g.
   python -m experiments.main --config experiments/configs/digits_mlp.py:powersgd --workdir ...
