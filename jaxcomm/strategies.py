@@ -80,11 +80,16 @@ class Strategy:
 
     def check(self, compressor: Any, *, scope: str) -> None:
         """Raise if the transform cannot run this strategy (when it is built)."""
-        if compressor.kind not in self.kinds:
+        if compressor.kind not in self.kinds and self.kinds == ("all_gather",):
             raise ValueError(
                 f"exchange: {self.name!r} is for compressors whose payloads are all-gathered; "
                 f"this one's payloads are summed (kind={compressor.kind!r}), already a single "
                 "all-reduce"
+            )
+        if compressor.kind not in self.kinds:
+            raise ValueError(
+                f"exchange: {self.name!r} is for compressors of kind {self.kinds}, not "
+                f"kind={compressor.kind!r}"
             )
         if compressor.agrees:
             raise ValueError("exchange: this compressor agrees on values per vector; use 'gather'")

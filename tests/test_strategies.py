@@ -121,6 +121,14 @@ def test_a_new_strategy_refuses_what_its_kinds_exclude():
     with pytest.raises(ValueError, match="'decoded_sum' is for compressors whose payloads are all"):
         jaxcomm.compress(dense.Dense(), axis_name=H.AXIS, exchange=DecodedSum())
 
+    @dataclasses.dataclass(frozen=True)
+    class SummedOnly(DecodedSum):
+        kinds: ClassVar[tuple[str, ...]] = ("psum",)
+
+    with pytest.raises(ValueError, match=r"of kind \('psum',\), not kind='all_gather'"):
+        jaxcomm.compress(sparse.TopK(RATIO), axis_name=H.AXIS, exchange=SummedOnly())
+    jaxcomm.compress(dense.Dense(), axis_name=H.AXIS, exchange=SummedOnly())  # accepted
+
 
 def test_core_dispatches_through_the_table():
     assert strategies.EXCHANGES == ("gather", "two_phase", "auto", "reduce_scatter")
