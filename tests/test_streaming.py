@@ -174,16 +174,21 @@ def test_exchange_in_a_host_thread_equals_the_exchange_in_the_step(delay, compre
     p, s = place(H.stack(w0)), place(H.stack(tx.init(w0)))
     a, b = place(a), place(b)
     fn, ov = shard_map_step(tx), Overlap(rule, H.mesh())
+    ov.warm_up(p, s)  # runs each fragment's exchange once, discarding it: changes nothing
     started = []
     for t in range(20):
         p, s, _ = ov.step(fn, p, s, a, b)
         started.append(ov.in_flight)
+        if t == 11:  # fragment 1 sent at step 12 is in flight: joined early, then not again
+            assert ov.in_flight == [1]
+            s = ov.drain(s)
         np.testing.assert_array_equal(
             H.np_tree(p)["w"], want["params"][t + 1]["w"], err_msg=f"step {t + 1}"
         )
         np.testing.assert_array_equal(H.np_tree(p)["b"], want["params"][t + 1]["b"])
     # fragment 0 sends at s = 3, 9, 15; fragment 1 at 6, 12, 18: in flight for `delay` steps
     assert started[2] == [0] and started[5] == [1] and started[2 + delay] == []
+    assert started[11] == [1] and started[12] == []  # drained after step 12
     s = ov.drain(s)
     assert ov.in_flight == []
     with pytest.raises(ValueError, match="delay: overlap=True needs delay >= 1"):

@@ -9,7 +9,7 @@ communicates) and drive the training step through :class:`Overlap`::
     ov = jaxcomm.loco.Overlap(rule, mesh)
     for batch in batches:
         params, opt_state, loss = ov.step(train_step, params, opt_state, batch)
-    opt_state = ov.drain(opt_state)  # before a checkpoint
+    opt_state = ov.drain(opt_state)  # before a checkpoint (training may go on after it)
 
 After the call of inner step ``s`` in which fragment ``f`` sends,
 :meth:`Overlap.step` starts the fragment's exchange and outer step (a
@@ -88,7 +88,8 @@ class Overlap:
             self.step_count = int(np.asarray(shards[0].data if shards else count).reshape(-1)[0])
         s = self.step_count + 1
         for f in self.rule.lands(s):
-            opt_state = self._join(f, opt_state)
+            if f in self._flight:  # not joined already by :meth:`drain`
+                opt_state = self._join(f, opt_state)
         out = fn(params, opt_state, *args)
         for f in self.rule.sends(s):
             self._start(f, out[0], out[1])
@@ -140,13 +141,28 @@ class Overlap:
             self._members = self.rule.members(self._worker_params(params))
         return self._members[f]
 
-    def _start(self, f: int, params: Any, opt_state: Any) -> None:
+    def warm_up(self, params: Any, opt_state: Any) -> None:
+        """Compile every fragment's exchange program by running it once on this state.
+
+        The results are discarded (nothing changes), but the exchanges are real: call
+        it on every process, before the first :meth:`step`. Otherwise a program
+        compiles in the thread of its first send, and the step that merges it waits
+        for the compilation (minutes for a large compressed fragment on CPU).
+        """
+        for f in range(self.rule.fragments):
+            jax.block_until_ready(self._program(f)(*self._args(f, params, opt_state)))
+
+    def _args(self, f: int, params: Any, opt_state: Any) -> tuple:
+        """The exchange program's arguments: the fragment's params, anchor and states."""
         state = _state(opt_state)
         m = self._fragment(f, params)
         params_leaves, anchor_leaves = jax.tree.leaves(params), jax.tree.leaves(state.anchor)
         local = [params_leaves[j] for j in m]
         anchor = [anchor_leaves[j] for j in m]
-        args = (local, anchor, state.outer_state[f], state.compressor_state[f])
+        return local, anchor, state.outer_state[f], state.compressor_state[f]
+
+    def _start(self, f: int, params: Any, opt_state: Any) -> None:
+        args = self._args(f, params, opt_state)
         box: list = []
         program = self._program(f)
         thread = threading.Thread(
