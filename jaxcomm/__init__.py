@@ -9,6 +9,7 @@ from jaxcomm import (
     exchange,
     guide,
     loco,
+    methods,
     netsim,
     optim,
     parallel,
@@ -72,6 +73,7 @@ __all__ = [
     "int8",
     "local_sgd",
     "loco",
+    "methods",
     "muloco",
     "netsim",
     "onebit",
@@ -106,4 +108,6 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module("jaxcomm.flax")
+    if name in methods.compressors():  # a codec module added under jaxcomm/compressors/
+        return methods.get(name)
     raise AttributeError(f"module 'jaxcomm' has no attribute {name!r}")

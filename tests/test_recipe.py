@@ -73,6 +73,7 @@ def registry(codec):
 def test_the_registry_finds_it_and_asks_for_its_one_test_entry(codec):
     assert NAME in methods.names() and NAME in methods.compressors()
     assert methods.get(NAME) is codec.fp8
+    assert getattr(jaxcomm, NAME) is codec.fp8  # jaxcomm.fp8, with no edit of jaxcomm/
     assert test_registry.missing_entries(test_registry.REGISTRY) == {NAME}
     assert test_registry.missing_entries({**test_registry.REGISTRY, **recipe_entry()}) == set()
 
