@@ -1,0 +1,264 @@
+r"""Goodput under failures: jaxcomm's ElasticDiLoCo against torchft's DiLoCo on the LM study.
+
+Command (the full measurement, quiet cores; 2 and 4 replicas, DiLoCo H=10 and
+Streaming DiLoCo, both sides, each run once without failures and once under
+the schedule; it saves after every run and resumes from its JSON):
+  python -m experiments.bench.goodput --replicas=2,4 --kill_every=120 --restart_after=30
+
+What it measures, per side (``jaxcomm``: each replica a JAX program whose outer
+sync is :meth:`jaxcomm.ElasticDiLoCo.sync`, :mod:`experiments.bench.goodput_jax`;
+``torchft``: torchft's ``DiLoCo`` on the GPT twin, one process a replica group,
+:mod:`experiments.bench.goodput_torch`), method (``diloco``, ``streaming``) and
+replica count: the run's useful inner steps per replica-second (goodput), with
+and without failures, and its ratio; rounds committed and rolled back; heal
+times; the final validation loss (definitions:
+:mod:`experiments.bench.goodput_report`). Both sides train the LM study's
+workload (:mod:`experiments.configs.lm_shakespeare`, 2,000 inner steps a
+replica) and meet at a lighthouse this launcher holds, with the same timeouts.
+
+The failure schedule (seeded, the same for both sides): every ``--kill_every``
+seconds from the moment every replica is up, SIGKILL one replica (drawn from
+the seed; if it is down or still healing, the next one up), and start it again
+``--restart_after`` seconds after the kill. No kill leaves fewer than one
+replica up, nothing is killed or restarted once a replica has finished, and a
+restarted replica that had not rejoined when the others finished is stopped.
+
+Writes ``--out`` (``experiments/results/goodput.json``; its tables in the
+``.md`` beside it, :func:`experiments.bench.goodput_report.report`) and each run's
+logs under ``--workdir``. Links: loopback (``--rate`` is refused: the lab's
+namespaces do not reach the launcher's lighthouse). Needs torch and torchft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import sys
+import time
+
+from experiments.bench import goodput_report, goodput_workload
+from experiments.elastic_launch import CHILD_ENV, Replicas, lighthouse, supervise
+
+SIDES = ("jaxcomm", "torchft")
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+STUDY = RESULTS / "lm_study_learned.json"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", default="2,4", help="replica counts, comma-separated")
+    p.add_argument("--methods", default="diloco,streaming")
+    p.add_argument("--sides", default="jaxcomm,torchft")
+    p.add_argument("--runs", default="clean,failures", help="without / under the schedule")
+    p.add_argument("--steps", type=int, default=0, help="inner steps a replica (0: config's)")
+    p.add_argument("--model", default="", help='model kwargs over the study\'s, JSON: {"dim": 32}')
+    p.add_argument("--seq_len", type=int, default=0)
+    p.add_argument("--batch_size", type=int, default=0)
+    p.add_argument("--test_windows", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the runs' seed (model init, data)")
+    p.add_argument("--kill_every", type=float, default=120.0, help="seconds between kills")
+    p.add_argument("--restart_after", type=float, default=30.0, help="seconds, kill to restart")
+    p.add_argument("--failure_seed", type=int, default=0)
+    p.add_argument("--max_kills", type=int, default=0, help="0: no limit")
+    p.add_argument(
+        "--step_s",
+        type=float,
+        default=0.0,
+        help="least wall time of an inner step (a larger model's compute; 0: none)",
+    )
+    p.add_argument("--heartbeat_timeout_ms", type=int, default=2000)
+    p.add_argument("--join_timeout_ms", type=int, default=10000)
+    p.add_argument("--timeout_s", type=float, default=60.0, help="all-reduce/commit/heal timeout")
+    p.add_argument("--deadline_s", type=float, default=7200.0, help="a run gives up")
+    p.add_argument("--rate", default="", help="not supported: runs on loopback")
+    p.add_argument("--out", default=str(RESULTS / "goodput.json"))
+    p.add_argument("--workdir", default="runs/goodput")
+    p.add_argument("--fresh", action="store_true", help="rerun the runs --out already holds")
+    # a replica's own flags (set by the launcher)
+    p.add_argument("--role", choices=["launcher", "replica"], default="launcher")
+    p.add_argument("--side", choices=SIDES, default="jaxcomm")
+    p.add_argument("--method", default="diloco")
+    p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--incarnation", type=int, default=0)
+    p.add_argument("--lighthouse", default="")
+    p.add_argument("--run_dir", default="")
+    return p.parse_args(argv)
+
+
+_WORKLOAD = ("steps", "model", "seq_len", "batch_size", "test_windows", "seed", "timeout_s",
+             "deadline_s", "step_s")  # fmt: skip
+
+
+class Schedule:
+    """Kill a replica every ``every_s`` seconds, restart it ``restart_after_s`` after the kill.
+
+    Victim ``j`` is drawn from ``seed`` before the run (the same draws on both
+    sides); if it is not up and joined, the next one (cyclically) that is; with
+    fewer than two up and joined, or ``max_kills`` (> 0) killed already, nobody.
+    """
+
+    def __init__(
+        self, n: int, every_s: float, restart_after_s: float, seed: int, max_kills: int = 0
+    ) -> None:
+        import numpy as np
+
+        self.n, self.every_s, self.restart_after_s = n, every_s, restart_after_s
+        self.max_kills = max_kills
+        self.draws = np.random.default_rng(seed).integers(n, size=10_000).tolist()
+        self.kills = 0  # slots passed (a slot with nobody to kill is skipped)
+        self.killed = 0  # replicas killed
+
+    def due(self, now: float, t_start: float) -> bool:
+        return now >= t_start + self.every_s * (self.kills + 1)
+
+    def victim(self, eligible: set[int]) -> int | None:
+        """This slot's victim among ``eligible`` (None: fewer than two up, nobody is killed)."""
+        j, self.kills = self.kills, self.kills + 1
+        if len(eligible) < 2 or (self.max_kills and self.killed >= self.max_kills):
+            return None
+        self.killed += 1
+        return next(v % self.n for v in range(self.draws[j], self.draws[j] + self.n)
+                    if v % self.n in eligible)  # fmt: skip
+
+
+def _policy(replicas: Replicas, run_dir: pathlib.Path, n: int, schedule: Schedule | None):
+    """The launcher's policy for :func:`supervise`, and the run's start time (a dict)."""
+    clock = {"t_start": None}
+    due: dict[int, float] = {}
+    joined = lambda i: (run_dir / f"joined_{i}_{replicas.incarnation(i)}").exists()
+
+    def policy(now: float, ended: list[int]) -> None:
+        if clock["t_start"] is None:
+            ready = [run_dir / f"ready_{i}" for i in range(n)]
+            if not all(p.exists() for p in ready):
+                return
+            clock["t_start"] = max(float(p.read_text()) for p in ready)
+        if any((run_dir / f"done_{i}").exists() for i in range(n)):  # the run is over
+            due.clear()
+            for i in list(replicas.procs):
+                if not joined(i):  # restarted, not back in time: it would train alone
+                    replicas.kill(i)
+            return
+        for i, t in list(due.items()):
+            if now >= t:
+                replicas.start(i)
+                del due[i]
+        if schedule is not None and schedule.due(now, clock["t_start"]):
+            v = schedule.victim({i for i in replicas.procs if joined(i)})
+            if v is not None:
+                replicas.kill(v)
+                due[v] = now + schedule.restart_after_s
+
+    return policy, clock
+
+
+def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool) -> dict:
+    """One run: ``n`` replicas of ``side`` training ``method``, under the schedule or not."""
+    kind = "failures" if failures else "clean"
+    run_dir = pathlib.Path(args.workdir) / f"{side}_{method}_n{n}_{kind}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for f in run_dir.iterdir():
+        f.unlink()
+    # JAX's persistent compilation cache: a restarted replica loads its programs, as a
+    # user who restarts replicas would set up (the first run of a side compiles them)
+    cache = os.path.abspath(os.path.join(args.workdir, "jax_cache"))
+    env = {**os.environ, **CHILD_ENV, "JAX_COMPILATION_CACHE_DIR": cache}
+    flags = [f"--{k}={getattr(args, k)}" for k in _WORKLOAD]
+    schedule = None
+    if failures:
+        schedule = Schedule(
+            n, args.kill_every, args.restart_after, args.failure_seed, args.max_kills
+        )
+    with lighthouse(1, join_timeout_ms=args.join_timeout_ms,
+                    heartbeat_timeout_ms=args.heartbeat_timeout_ms) as address:  # fmt: skip
+
+        def command(i: int, incarnation: int) -> list[str]:
+            return [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
+                    f"--side={side}", f"--method={method}", f"--replicas={n}",
+                    f"--replica={i}", f"--incarnation={incarnation}",
+                    f"--lighthouse={address}", f"--run_dir={run_dir}", *flags]  # fmt: skip
+
+        replicas = Replicas(command, n, env)
+        policy, clock = _policy(replicas, run_dir, n, schedule)
+        for i in range(n):
+            replicas.start(i)
+        supervise(replicas, policy, deadline_s=args.deadline_s)
+    killed = {(e["replica"], e["incarnation"]) for e in replicas.events if e["event"] == "kill"}
+    crashed = [e for e in replicas.events if e["event"] == "exit" and e["code"] != 0
+               and (e["replica"], e["incarnation"]) not in killed]  # fmt: skip
+    if crashed:
+        raise RuntimeError(f"{run_dir}: replicas exited on their own with errors: {crashed}")
+    out = goodput_report.account(str(run_dir), n, replicas.events, clock["t_start"])
+    out.update(side=side, method=method, failures=failures, codes=replicas.codes,
+               events=replicas.events)  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _config(args: argparse.Namespace) -> dict:
+    c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": "diloco"}))
+    keys = ("kill_every", "restart_after", "failure_seed", "max_kills", "heartbeat_timeout_ms",
+            "join_timeout_ms", "timeout_s", "seed", "step_s")  # fmt: skip
+    return {**{k: getattr(args, k) for k in keys}, "steps": c.num_train_steps,
+            "model": dict(c.model.kwargs), "seq_len": c.data.seq_len,
+            "batch_size": c.data.batch_size, "test_windows": c.data.test_windows,
+            "link": "loopback", "cores": os.cpu_count()}  # fmt: skip
+
+
+def _load(path: str, config: dict, fresh: bool) -> dict:
+    if not fresh and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("config") == config:
+            return old
+    return {"config": config, "runs": {}}
+
+
+def _save(results: dict, path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(goodput_report.report(results))
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.role == "replica":
+        args.replicas = int(args.replicas)  # the launcher passes this run's count
+        if args.side == "jaxcomm":
+            from experiments.bench import goodput_jax as side
+        else:
+            from experiments.bench import goodput_torch as side
+        side.replica(args)
+        return 0
+    # a SIGTERM unwinds (supervise then kills the replicas it started)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if args.rate:
+        raise SystemExit("--rate: not supported (the lab's namespaces do not reach the "
+                         "launcher's lighthouse); the bench runs on loopback")  # fmt: skip
+    config = _config(args)
+    results = _load(args.out, config, args.fresh)
+    study = json.loads(STUDY.read_text()) if STUDY.exists() else None
+    results["dense_band"] = goodput_report.dense_band(study)
+    for n in [int(x) for x in args.replicas.split(",")]:
+        for method in args.methods.split(","):
+            for side in args.sides.split(","):
+                for kind in args.runs.split(","):
+                    key = f"{side}/{method}/n{n}/{kind}"
+                    if key in results["runs"]:
+                        continue
+                    t = time.time()
+                    results["runs"][key] = run(args, side, method, n, kind == "failures")
+                    print(f"{key}: {time.time() - t:.0f} s", flush=True)
+                    _save(results, args.out)
+    _save(results, args.out)
+    print(goodput_report.report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The goodput bench's jaxcomm replica: the LM's inner steps in JAX, outer syncs through torchft.
+
+One replica is one JAX program (:mod:`experiments.bench.goodput` starts it with
+``--role=replica --side=jaxcomm``): the study's GPT and inner AdamW on its
+schedule, ``H / fragments`` inner steps per jitted ``lax.scan`` (batches drawn
+on device as the harness's worker of this index draws them), then
+:meth:`jaxcomm.ElasticDiLoCo.sync`. A restarted replica heals at its
+:meth:`~jaxcomm.ElasticDiLoCo.join`. Streaming DiLoCo runs as ElasticDiLoCo
+does it: fragment ``r % F`` synced every ``H / F`` steps, without overlap
+(``delay=0, mix=0``; the study's variant has ``delay=1, mix=0.5``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from experiments.bench import goodput_workload as workload
+from experiments.elastic_launch import mark_ready, sha256, wait_ready
+
+
+def inner_steps_fn(model, inner, ds, config, replica: int, steps: int):
+    """jit((params, inner_state, start) -> (params, inner_state, mean loss)): ``steps`` steps.
+
+    Step ``start + t`` draws the batch the harness's worker ``replica`` draws at
+    that step (``data.sample_batch`` with ``fold_in(key(seed + 1), replica)``).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from experiments import data as data_lib
+
+    x = jnp.asarray(ds.x_train[replica])
+    key = jax.random.fold_in(jax.random.key(config.seed + 1), replica)
+    batch, seq_len = config.data.batch_size, ds.seq_len
+
+    def loss_fn(p, bx, by):
+        logits = model.apply({"params": p}, bx, train=True)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, by).mean()
+
+    @jax.jit
+    def run(p, s, start, x):  # the stream an argument: as a closed-over constant XLA folds it
+        def body(carry, t):
+            p, s = carry
+            bx, by = data_lib.sample_batch(x, None, key, start + t, batch, seq_len)
+            loss, g = jax.value_and_grad(loss_fn)(p, bx, by)
+            u, s = inner.update(g, s, p)
+            return (optax.apply_updates(p, u), s), loss
+
+        (p, s), losses = jax.lax.scan(body, (p, s), jnp.arange(steps))
+        return p, s, losses.mean()
+
+    return lambda p, s, start: run(p, s, start, x)
+
+
+def replica(args) -> None:
+    """Train as replica ``args.replica`` until the data position reaches the schedule's end."""
+    import jax
+    import optax
+    import torch
+
+    import jaxcomm
+    from experiments import models, optimizers, train
+    from jaxcomm import elastic
+
+    torch.set_num_threads(1)
+    config = workload.config(args)
+    every, fragments = workload.sync_period(config)
+    per_sync = every // fragments
+    ds = workload.dataset(config, args.replicas)
+    model = models.build(config.model.name, **config.model.kwargs)
+    # train.build_model's initialisation, compiled as one program (op by op it compiles
+    # dozens: minutes on busy cores, and a restarted replica pays them again)
+    init = jax.jit(lambda k: model.init(k, ds.example_input(), train=False)["params"])
+    # committed to the device, as a healed replica's (ElasticDiLoCo puts them on the same
+    # sharding): the inner steps compile once, not again after a heal
+    params = jax.device_put(init(jax.random.key(config.seed)), jax.devices()[0])
+    inner = optax.adamw(optimizers.learning_rate(config), **config.optimizer.kwargs)
+    run = inner_steps_fn(model, inner, ds, config, args.replica, per_sync)
+    state = jax.device_put(inner.init(params), jax.devices()[0])
+    jax.block_until_ready(run(params, state, 0))  # compiled before joining
+    manager = elastic.gloo_manager(
+        f"replica_{args.replica}", args.lighthouse, min_replicas=1,
+        timeout_s=args.timeout_s, quorum_timeout_s=args.deadline_s,
+    )  # fmt: skip
+    log = workload.Log(args.run_dir, args.replica, args.incarnation)
+    log.write(event="ready")
+    if args.incarnation == 0:  # the job starts with every replica up (a restart joins alone)
+        mark_ready(log.dir, args.replica)
+        wait_ready(log.dir, args.replicas)
+    lr = config.wrapper.get("outer_learning_rate", 0.7)
+    outer = optax.sgd(lr, momentum=0.9, nesterov=True)
+    loop = jaxcomm.ElasticDiLoCo(manager, params, state, outer=outer, fragments=fragments)
+
+    def sync(p, s, steps, loss):
+        before, t = loop.rounds, time.perf_counter()
+        p, s, committed = loop.sync(p, s, steps=steps)
+        log.sync(round=before, rounds=loop.rounds, committed=committed, healed=loop.healed,
+                 participants=loop.participants, steps=steps, position=loop.inner_steps,
+                 sync_s=time.perf_counter() - t, loss=loss)  # fmt: skip
+        return p, s
+
+    params, state = sync(params, state, 0, None)  # the join: a restarted replica heals here
+    while loop.inner_steps < config.num_train_steps:
+        t = time.perf_counter()
+        params, state, loss = run(params, state, loop.inner_steps)
+        loss = float(loss)
+        time.sleep(max(0.0, per_sync * args.step_s - (time.perf_counter() - t)))
+        params, state = sync(params, state, per_sync, loss)
+    ev = train.make_eval(model, ds, config.eval_batch_size)(loop.params, {})
+    log.final(position=loop.inner_steps, rounds=loop.rounds, params=sha256(loop.params),
+              anchor=sha256(loop.anchor), eval_loss=ev["eval_loss"],
+              eval_loss_se=ev["eval_loss_se"])  # fmt: skip
+    manager.shutdown(wait=False)
+    os._exit(0)  # torchft's server threads would hold the interpreter

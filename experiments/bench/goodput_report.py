@@ -1,0 +1,166 @@
+"""The goodput bench's accounting (from its replicas' logs) and its tables (from its JSON).
+
+Goodput, as the issue and Decoupled DiLoCo (arXiv:2604.21428) use it: the
+share of the replicas' time that turned into training the run keeps.
+
+- A **useful inner step** is one a replica took in a round that committed for
+  it, and that it contributed to: an inner step of a sync line with
+  ``committed`` true and ``healed`` false. Lost: the steps of a rolled-back round,
+  a killed replica's steps since its last committed sync, a restarted replica's
+  steps before it healed (torchft's DiLoCo takes some; jaxcomm's join takes none)
+  and the round it healed in (it sends the peer's copy, or nothing).
+- **Useful steps per second** = useful inner steps summed over the replicas /
+  wall seconds, from the moment every replica of the job is up (built, compiled,
+  at the start barrier) to the last replica's end (its final sync).
+- **Goodput** = useful inner steps / (replicas x wall seconds): the useful steps
+  per replica-second; the **goodput ratio** is that of the run under the failure
+  schedule over that of the same run (same side, method, replicas, steps)
+  without failures. A restarted replica's start-up is inside the wall time and
+  does no useful step: it is part of what a failure costs.
+
+Every run also gives rounds committed (distinct rounds in which some replica
+committed useful steps), rollbacks (sync lines that did not commit), heal
+times (per restart: spawn to ready, ready to the end of the sync it healed in),
+and the final validation loss (the study's evaluation of the lowest-index
+finished replica's params; with 3 seeds of dense in the study's JSON, whether it
+is within the study's quality band of dense's median final).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from experiments.bench import goodput_workload as workload
+
+
+def _syncs(lines: list[dict]) -> list[dict]:
+    return [x for x in lines if "committed" in x]
+
+
+def heals(lines: list[dict], events: list[dict], replica: int) -> list[dict]:
+    """Each restarted incarnation's heal: spawn -> ready -> the end of its healed sync (s)."""
+    out = []
+    for e in events:
+        if e["event"] != "start" or e["replica"] != replica or e["incarnation"] == 0:
+            continue
+        inc = [x for x in lines if x["incarnation"] == e["incarnation"]]
+        ready = [x["t"] for x in inc if x.get("event") == "ready"]
+        healed = [x for x in _syncs(inc) if x["healed"]]
+        row = {"replica": replica, "incarnation": e["incarnation"],
+               "startup_s": ready[0] - e["t"] if ready else None,
+               "heal_s": healed[0]["t"] - e["t"] if healed else None,
+               "rejoin_s": healed[0]["t"] - ready[0] if healed and ready else None,
+               "heal_sync_s": healed[0]["sync_s"] if healed else None,
+               "healed_at_round": healed[0]["rounds"] if healed else None}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def account(run_dir: str, n: int, events: list[dict], t_start: float) -> dict:
+    """One run's goodput and its parts, from ``run_dir``'s logs and the launcher's events."""
+    lines = {i: workload.read(run_dir, i) for i in range(n)}
+    syncs = [x for i in range(n) for x in _syncs(lines[i])]
+    useful_by = {i: sum(x["steps"] for x in _syncs(lines[i]) if x["committed"] and not x["healed"])
+                 for i in range(n)}  # fmt: skip
+    finals = {i: [x for x in lines[i] if x.get("final")] for i in range(n)}
+    finals = {i: f[-1] for i, f in finals.items() if f}
+    if not finals:
+        raise RuntimeError(f"{run_dir}: no replica finished")
+    t_end = max(f["t"] for f in finals.values())
+    wall = t_end - t_start
+    useful = sum(useful_by.values())
+    first = finals[min(finals)]
+    return {
+        "replicas": n,
+        "t_start": t_start,
+        "t_end": t_end,
+        "wall_s": wall,
+        "useful_steps": useful,
+        "useful_steps_by_replica": useful_by,
+        "steps_taken": sum(x["steps"] for x in syncs),
+        "useful_steps_per_s": useful / wall,
+        "goodput": useful / (n * wall),
+        "rounds_committed": len(
+            {x["round"] for x in syncs if x["committed"] and x["steps"] and not x["healed"]}
+        ),
+        "rollbacks": sum(not x["committed"] for x in syncs),
+        "kills": sum(e["event"] == "kill" for e in events),
+        "restarts": sum(e["event"] == "start" and e["incarnation"] > 0 for e in events),
+        "heals": [h for i in range(n) for h in heals(lines[i], events, i)],
+        "finished": sorted(finals),
+        "params_agree": len({f["params"] for f in finals.values()}) == 1,
+        "final_params": {i: f["params"] for i, f in finals.items()},
+        "position": first["position"],
+        "eval_loss": first["eval_loss"],
+        "eval_loss_se": first["eval_loss_se"],
+    }
+
+
+def dense_band(study: dict | None) -> dict | None:
+    """Dense's finals (2 processes) in the LM study's JSON, once it has 3 seeds; else None."""
+    if not study:
+        return None
+    finals = [r["curve"][-1]["eval_loss"] for r in study.get("runs", [])
+              if r["method"] == "dense" and r.get("n", 2) == 2 and r.get("curve")]  # fmt: skip
+    if len(finals) < 3:
+        return {"seeds": len(finals), "median": None}
+    return {"seeds": len(finals), "median": statistics.median(finals), "finals": finals}
+
+
+def rows(results: dict) -> list[dict]:
+    """One row per (side, method, replicas): clean and failure runs side by side."""
+    from experiments.studies import verdict
+
+    band = results.get("dense_band") or {}
+    out = []
+    for key, clean in results["runs"].items():
+        if not key.endswith("/clean"):
+            continue
+        fail = results["runs"].get(key[: -len("clean")] + "failures")
+        row = {k: clean[k] for k in ("side", "method", "replicas")}
+        row.update(clean_goodput=clean["goodput"], clean_loss=clean["eval_loss"])
+        if fail:
+            heal = [h["heal_s"] for h in fail["heals"] if h["heal_s"] is not None]
+            row.update(goodput=fail["goodput"], ratio=fail["goodput"] / clean["goodput"],
+                       kills=fail["kills"], rounds=fail["rounds_committed"],
+                       rollbacks=fail["rollbacks"], loss=fail["eval_loss"],
+                       heal_s=statistics.median(heal) if heal else None)  # fmt: skip
+            if band.get("median"):
+                q = verdict.quality([fail["eval_loss"]], band["finals"])
+                row["within_band"] = q["within_band"]
+        out.append(row)
+    return out
+
+
+def _f(x, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def report(results: dict) -> str:
+    """The markdown table: goodput clean and under failures, its ratio, rounds, heals, losses."""
+    c = results["config"]
+    band = results.get("dense_band") or {}
+    lines = [
+        f"Kill a random replica every {c['kill_every']:g} s, restart it {c['restart_after']:g} s "
+        f"later (seed {c['failure_seed']}); {c['steps']} inner steps a replica, "
+        f"{c['link']}. Goodput: useful inner steps per replica-second "
+        "(experiments/bench/goodput_report.py).",
+        "",
+        "| replicas | side | method | goodput clean | under failures | ratio | kills "
+        "| rounds | rollbacks | heal s | loss clean | loss failures |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows(results):
+        lines.append(
+            f"| {r['replicas']} | {r['side']} | {r['method']} | {r['clean_goodput']:.3f} "
+            f"| {_f(r.get('goodput'), '.3f')} | {_f(r.get('ratio'), '.1%')} "
+            f"| {r.get('kills', '—')} | {r.get('rounds', '—')} | {r.get('rollbacks', '—')} "
+            f"| {_f(r.get('heal_s'), '.1f')} | {r['clean_loss']:.4f} "
+            f"| {_f(r.get('loss'), '.4f')}{'' if r.get('within_band', True) else ' (worse)'} |"
+        )
+    if band.get("median"):
+        lines += ["", f"Dense's median final (2 processes, {band['seeds']} seeds): "
+                  f"{band['median']:.4f}; band: within 2% of it."]  # fmt: skip
+    else:
+        lines += ["", "The study's dense band: fewer than 3 seeds of dense yet (not judged)."]
+    return "\n".join(lines) + "\n"

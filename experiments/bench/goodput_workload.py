@@ -1,0 +1,105 @@
+"""The goodput bench's workload and the log its replicas write (both sides share them).
+
+The workload is the LM study's (:mod:`experiments.configs.lm_shakespeare`,
+variants ``diloco`` and ``streaming``): its GPT, Shakespeare stream, batch,
+AdamW and warm-up/cosine schedule, with the bench's overrides (a shorter
+schedule, smaller model kwargs for a smoke run). Replica ``i`` of ``n`` trains on
+``data.shakespeare(n)``'s stream ``i`` at the windows the harness's worker ``i``
+draws (``data.sample_batch`` at its step count: its data position).
+
+Each replica incarnation appends JSON lines to ``RUN/replica_<i>.jsonl``:
+``{"event": "ready", "t"}`` once it is built (compiled, manager up), one line per
+outer sync (``round``: the manager's step before it, ``rounds``: after it,
+``committed``, ``healed``: it loaded a peer's state in this sync, ``participants``,
+``steps``: its own inner steps since its last sync line, ``position``: the data
+position after the sync, ``sync_s``, ``loss``) and a final line (``final``,
+``position``, ``rounds``, ``params``: SHA-256, ``eval_loss``, ``eval_loss_se``).
+Every line carries ``incarnation`` and ``t`` (wall time, ``time.time()``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import ml_collections
+
+from experiments import data as data_lib
+from experiments.configs import lm_shakespeare
+
+METHODS = ("diloco", "streaming")
+
+
+def config(args) -> ml_collections.ConfigDict:
+    """The study's variant ``args.method`` with the bench's overrides applied.
+
+    ``args``: ``method``, ``steps`` (0: the config's 2,000), ``model`` (a JSON object
+    of model kwargs over the study's; "" none), ``seq_len``, ``batch_size`` and
+    ``test_windows`` (0: the config's), ``seed``.
+    """
+    if args.method not in METHODS:
+        raise ValueError(f"--method: one of {METHODS}, got {args.method!r}")
+    c = lm_shakespeare.get_config(args.method)
+    c.seed = args.seed
+    if args.steps:
+        c.num_train_steps = args.steps
+    if args.model:
+        c.model.kwargs = {**c.model.kwargs, **json.loads(args.model)}
+    for key in ("seq_len", "batch_size", "test_windows"):
+        if getattr(args, key):
+            c.data[key] = getattr(args, key)
+    every, fragments = sync_period(c)
+    if c.num_train_steps % every:
+        raise ValueError(f"--steps: {c.num_train_steps} must be a multiple of H={every}")
+    if c.model.kwargs.get("max_len", c.data.seq_len) < c.data.seq_len:
+        raise ValueError(f"--seq_len: {c.data.seq_len} > the model's max_len")
+    return c
+
+
+def sync_period(c: ml_collections.ConfigDict) -> tuple[int, int]:
+    """``(H, fragments)``: inner steps per round, and the fragments it syncs in turn."""
+    return int(c.wrapper.every), int(c.wrapper.get("fragments", 1))
+
+
+def dataset(c: ml_collections.ConfigDict, replicas: int) -> data_lib.Dataset:
+    """The study's text dealt into ``replicas`` streams (one a replica), as the harness loads it."""
+    return data_lib.load(c.data, replicas, seed=c.seed)
+
+
+class Log:
+    """One replica incarnation's lines in ``run_dir/replica_<i>.jsonl`` (appended).
+
+    The first sync line also touches ``run_dir/joined_<i>_<incarnation>`` (the
+    launcher kills only replicas that have joined), the final line
+    ``run_dir/done_<i>`` (the run is over: nothing is restarted after it).
+    """
+
+    def __init__(self, run_dir: str, replica: int, incarnation: int) -> None:
+        self.dir, self.replica, self.incarnation = pathlib.Path(run_dir), replica, incarnation
+        self._f = open(self.dir / f"replica_{replica}.jsonl", "a")  # noqa: SIM115
+        self._joined = False
+
+    def write(self, **line) -> None:
+        line = {"incarnation": self.incarnation, "t": time.time(), **line}
+        self._f.write(json.dumps(line) + "\n")
+        self._f.flush()
+
+    def sync(self, **line) -> None:
+        self.write(**line)
+        if not self._joined:
+            (self.dir / f"joined_{self.replica}_{self.incarnation}").touch()
+            self._joined = True
+
+    def final(self, **line) -> None:
+        self.write(final=True, **line)
+        self._f.close()
+        (self.dir / f"done_{self.replica}").touch()
+
+
+def read(run_dir: str, replica: int) -> list[dict]:
+    """Replica ``replica``'s lines, every incarnation, in order ([] if it wrote none)."""
+    path = pathlib.Path(run_dir) / f"replica_{replica}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
