@@ -32,7 +32,7 @@ class Compressor(Protocol):
       per_worker_key: whether workers must draw different random numbers (the
         key is then folded with the worker's axis index); otherwise all
         workers share the step's key (e.g. shared random-k indices), made
-        identical by one 8-byte all-reduce (``exchange.agree``).
+        identical by one 8-byte all-reduce (``collectives.agree``).
     """
 
     kind: str

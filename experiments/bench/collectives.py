@@ -47,7 +47,7 @@ def measure(entries: int, reps: int) -> dict:
 
     from experiments.bench.timing import median_time
     from jaxcomm.accounting import traffic_bytes
-    from jaxcomm.exchange import Collective
+    from jaxcomm.ledger import Collective
 
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
     n = jax.device_count()

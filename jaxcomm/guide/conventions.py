@@ -24,7 +24,7 @@ These hold for everything built on `jaxcomm.compress`.
   all-gather (a ring all-reduce's bytes). Gathering adds
   `(n-1)(n-2)/n` times their bytes on n workers (none on 2), so they go
   apart in an all-reduce of their own where that exceeds 64 KiB
-  (`exchange.dense_rides`: one collective's latency times the bandwidth is
+  (`strategies.dense_rides`: one collective's latency times the bandwidth is
   more on every link in view). The wire report and the compiled HLO show
   which (`jaxcomm.accounting.wire_report`, `collective_count`).
 - **`scope="global"`** (top-k) selects over all compressible leaves

@@ -64,7 +64,7 @@ counts, tabulated for n = 2 to 64 in `experiments/results/two_phase.json`.
 
 On `compress` and every quantiser factory: when the update is traced and
 the axis size n is known, jaxcomm prices both exchanges for this codec and
-tree (`jaxcomm.accounting.exchange_traffic`: the all-gather receives
+tree (`jaxcomm.strategies.exchange_traffic`: the all-gather receives
 (n−1)·s(d), two-phase sends 2(n−1)·s(⌈d/n⌉), each chunk's scales and word
 padding included) and takes the smaller; a tie goes to the all-gather (one
 compression, no server residual). So: the all-gather on 2 workers, for

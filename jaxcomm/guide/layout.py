@@ -7,8 +7,13 @@ r"""
                        memory, group leaves, strategy, new state); re-exports protocol.py
       checks.py        the shared argument and state validators (check_int, check_float,
                        check_ratio, check_tx, ...); imports nothing of jaxcomm
-      strategies.py    the exchange strategies with one signature: local, gather (psum or
-                       all-gather, bucketed), two_phase, reduce_scatter
+      strategies.py    the exchange strategies as objects (Local, Gather, TwoPhase,
+                       ReduceScatter, Auto): name, check, server state, choice, traffic
+                       model and the exchange; core dispatches through STRATEGIES
+      stages.py        the values the pipeline's stages pass, and the helpers the
+                       strategies share
+      jaxprs.py        one walk over a traced program (every equation, sub-jaxprs too)
+      methods.py       the method registry (names -> factories) and "Add a compressor"
       ledger.py        the byte ledger: what a transform sends (Collective records)
       collectives.py   psum / all_gather / reduce-scatter / all-to-all / ppermute
                        wrappers that record to the ledger; as_varying, axis checks

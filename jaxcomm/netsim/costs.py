@@ -289,7 +289,7 @@ def collective_time(
         ``"reduce_scatter"``, ``"all_to_all"`` or ``"collective_permute"`` (flat, on the
         cluster's slowest link).
       nbytes: bytes one worker contributes (all-reduce: S; all-gather: its
-        piece s), as in :class:`jaxcomm.exchange.Collective`.
+        piece s), as in :class:`jaxcomm.ledger.Collective`.
       target: a :class:`Link` (give ``n``) or a :class:`Cluster`.
       n: number of workers; ``None`` for a Cluster.
       algorithm: all-reduce algorithm, see :func:`allreduce_time`.
