@@ -5,6 +5,16 @@ Streaming DiLoCo, both sides, each run once without failures and once under
 the schedule; it saves after every run and resumes from its JSON):
   python -m experiments.bench.goodput --replicas=2,4 --kill_every=120 --restart_after=30
 
+About 3 hours on two quiet cores: 16 runs of 2,000 inner steps a replica (the
+study's DiLoCo ran 2 processes in ~7 minutes; 4 replicas take about twice as
+long a step), a few minutes more for each restart's start-up. A smoke run (a
+tiny GPT, seconds of training; its numbers say nothing about the study):
+  python -m experiments.bench.goodput --replicas=2 --steps=300 --step_s=0.1 \
+      --kill_every=10 --restart_after=1 --max_kills=1 --seq_len=32 --batch_size=4 \
+      --test_windows=16 --model='{"dim": 32, "depth": 1, "heads": 2, "max_len": 32}' \
+      --heartbeat_timeout_ms=1000 --join_timeout_ms=5000 --out=/tmp/goodput.json \
+      --workdir=/tmp/goodput
+
 What it measures, per side (``jaxcomm``: each replica a JAX program whose outer
 sync is :meth:`jaxcomm.ElasticDiLoCo.sync`, :mod:`experiments.bench.goodput_jax`;
 ``torchft``: torchft's ``DiLoCo`` on the GPT twin, one process a replica group,
@@ -22,6 +32,11 @@ the seed; if it is down or still healing, the next one up), and start it again
 ``--restart_after`` seconds after the kill. No kill leaves fewer than one
 replica up, nothing is killed or restarted once a replica has finished, and a
 restarted replica that had not rejoined when the others finished is stopped.
+
+The jaxcomm replicas share JAX's persistent compilation cache (under
+``--workdir``), as a user restarting replicas would set it up: a restarted
+replica loads its programs instead of compiling them; its start-up (importing
+JAX, loading the data, tracing) is still part of what a failure costs.
 
 Writes ``--out`` (``experiments/results/goodput.json``; its tables in the
 ``.md`` beside it, :func:`experiments.bench.goodput_report.report`) and each run's
@@ -165,7 +180,8 @@ def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool
     # JAX's persistent compilation cache: a restarted replica loads its programs, as a
     # user who restarts replicas would set up (the first run of a side compiles them)
     cache = os.path.abspath(os.path.join(args.workdir, "jax_cache"))
-    env = {**os.environ, **CHILD_ENV, "JAX_COMPILATION_CACHE_DIR": cache}
+    env = {**os.environ, **CHILD_ENV, "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
     flags = [f"--{k}={getattr(args, k)}" for k in _WORKLOAD]
     schedule = None
     if failures:
