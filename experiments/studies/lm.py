@@ -30,7 +30,11 @@ The PyTorch peers (``TORCH``: DDP dense, with the fp16 hook, with the PowerSGD
 hook at jaxcomm's rank; torchft's DiLoCo and Streaming DiLoCo at the study's
 settings) run as methods of the study, through the same phases and verdict
 rules (:mod:`experiments.bench.torch_lm_train`; torch is the ``peers`` extra,
-torchft the ``ft`` extra; :mod:`experiments.studies.lm_methods`).
+torchft the ``ft`` extra; :mod:`experiments.studies.lm_methods`). Streaming
+DiLoCo runs twice: in the harness (its fragment exchange inside the step that
+sends it) and as users run it, each exchange overlapped with the inner steps
+that follow (``*_overlap``: :mod:`experiments.bench.overlap_lm_train`, the same
+arithmetic; only the step times differ).
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -66,7 +70,7 @@ from absl import app, flags
 
 from experiments.configs import lm_shakespeare
 from experiments.studies import lm_figure, ngram, report, runs
-from experiments.studies.lm_methods import METHODS, TORCH, sync_period
+from experiments.studies.lm_methods import METHODS, OVERLAP, TORCH, sync_period
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
@@ -122,18 +126,20 @@ def training_argv(
 ) -> list[str]:  # fmt: skip
     """The launched command of one run of the study (``stop``: steps to run, 0 all;
     ``per_call``: a probe's steps per call, evaluated after each; 0: the config's)."""
-    if method in TORCH:  # the PyTorch DDP twin: one rank a process, the same schedule
-        return [
-            sys.executable, "-m", "experiments.launch", f"--processes={n}",
-            "--devices_per_process=1", *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
-            sys.executable, "-m", "experiments.bench.torch_lm_train", f"--hook={TORCH[method]}",
-            f"--workdir={workdir}", f"--seed={seed}", f"--steps={steps}", f"--stop_after={stop}",
-            *([f"--eval_every={per_call}"] if per_call else []),
-        ]  # fmt: skip
-    return [
+    launch = [
         sys.executable, "-m", "experiments.launch", f"--processes={n}", "--devices_per_process=1",
-        *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
-        sys.executable, "-m", "experiments.main", f"--config={CONFIG}:{method}",
+        *([] if rate == "loopback" else [f"--rate={rate}"]), "--", sys.executable, "-m",
+    ]  # fmt: skip
+    # the twins' own trainers take the harness's schedule as flags
+    twin = [f"--workdir={workdir}", f"--seed={seed}", f"--steps={steps}", f"--stop_after={stop}",
+            *([f"--eval_every={per_call}"] if per_call else [])]  # fmt: skip
+    if method in OVERLAP:  # loco.Overlap: one call a step, exchanges in host threads
+        variant = f"--variant={OVERLAP[method]}"
+        return [*launch, "experiments.bench.overlap_lm_train", variant, *twin]
+    if method in TORCH:  # the PyTorch twin: one rank a process, the same schedule
+        return [*launch, "experiments.bench.torch_lm_train", f"--hook={TORCH[method]}", *twin]
+    return [
+        *launch, "experiments.main", f"--config={CONFIG}:{method}",
         f"--workdir={workdir}", f"--config.seed={seed}", f"--config.num_train_steps={steps}",
         f"--config.stop_after={stop}", "--config.progress=False", "--config.plot=False",
         *([f"--config.steps_per_call={per_call}", f"--config.eval_every={per_call}"]

@@ -4,7 +4,8 @@ A method is a variant of :mod:`experiments.configs.lm_shakespeare` (the JAX
 harness) or one of :data:`TORCH` (the PyTorch twin,
 :mod:`experiments.bench.torch_lm_train`): DDP with a communication hook, or
 torchft's DiLoCo / Streaming DiLoCo, whose hook ``ft_<variant>`` runs the
-schedule of the study's ``<variant>`` (:func:`variant`).
+schedule of the study's ``<variant>`` (:func:`variant`), or a Streaming DiLoCo
+variant with its exchanges overlapped (:data:`OVERLAP`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from experiments.configs import common, lm_shakespeare
 #: method -> ``torch_lm_train --hook``.
 TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd",
          "torchft_diloco": "ft_diloco", "torchft_streaming": "ft_streaming"}  # fmt: skip
+#: Streaming DiLoCo as users run it, its exchanges overlapped with the inner steps
+#: (:mod:`experiments.bench.overlap_lm_train`): method -> the variant it runs.
+OVERLAP = {"streaming_overlap": "streaming", "streaming_int8_overlap": "streaming_int8",
+           "streaming_q4_overlap": "streaming_q4"}  # fmt: skip
 METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
            "diloco_h1", "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco",
-           "muon", "demo", "demo_full", *TORCH]  # fmt: skip
+           "muon", "demo", "demo_full", *OVERLAP, *TORCH]  # fmt: skip
 #: What each method's update is, beside the shared AdamW + warm-up/cosine.
 OPTIMIZER = {
     "diloco": "AdamW inner, Nesterov outer (H=10)",
@@ -28,6 +33,10 @@ OPTIMIZER = {
     "sparseloco": "AdamW inner, outer step 1 on top-k + 2-bit codes with EF (H=10)",
     "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
     "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
+    **{
+        m: "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments), exchange overlapped"
+        for m in OVERLAP
+    },
     "torchft_diloco": "torchft DiLoCo: AdamW inner, Nesterov outer (H=10)",
     "torchft_streaming": "torchft Streaming DiLoCo: AdamW inner, Nesterov outer per fragment",
 }
@@ -36,12 +45,15 @@ COUNTERPART: dict[str, str] = {
     "muloco": "muon",  # dense Muon
     "demo": "demo_full",  # DeMo's optimizer without its compression
     **{m: "diloco_h1" for m in ("diloco", "streaming", "streaming_int8", "streaming_q4",
-                                "sparseloco", "torchft_diloco", "torchft_streaming")},
+                                "sparseloco", "torchft_diloco", "torchft_streaming", *OVERLAP)},
 }  # fmt: skip
 
 
 def variant(method: str) -> str:
-    """The config variant whose exchange schedule ``method`` runs (DDP's: ``dense``)."""
+    """The config variant whose schedule ``method`` runs (DDP's: ``dense``; an overlapped
+    Streaming DiLoCo's: its in-step variant)."""
+    if method in OVERLAP:
+        return OVERLAP[method]
     hook = TORCH.get(method)
     if hook is None:
         return method
@@ -59,7 +71,7 @@ def peak_factor(method: str) -> float:
     Methods that sync every ``H`` steps send everything at once (``H``); Streaming
     DiLoCo sends one of ``P`` fragments ``P`` times per ``H`` steps (``H / P``).
     """
-    if method not in TORCH and method not in lm_shakespeare.VARIANTS:
+    if variant(method) not in lm_shakespeare.VARIANTS:
         return 1.0  # a method of an older study
     c = lm_shakespeare.get_config(variant(method))
     return sync_period(method) / (c.wrapper.get("fragments", 1) if c.wrapper.name != "none" else 1)
