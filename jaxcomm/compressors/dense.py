@@ -102,8 +102,10 @@ class Cast(core.CompressorBase):
         self.dtype = jnp.dtype(dtype)
         self.kind = accumulate
         self.per_worker_key = False
-        # fp16 summed in fp16 overflows (n values near 6e4 sum to inf): pre-divide by n,
-        # as torch's fp16_compress_hook does. bf16 has fp32's range: no need.
+        # fp16 summed in fp16 overflows (max 65504; n values near 6e4 sum to inf; summing first and
+        # dividing after gave inf at n = 4 for |g| in [2e4, 6e4]): pre-divide by n, as
+        # torch's fp16_compress_hook does (same trade: entries below ~6e-8*n underflow).
+        # accumulate="all_gather" sums in float32 and needs neither. bf16 has fp32's range.
         self.prediv = accumulate == "psum" and self.dtype == jnp.float16 and axis_name is not None
         self.axis_name = axis_name
 
@@ -143,6 +145,21 @@ class Cast(core.CompressorBase):
         return d * (4 if self.widened() else collectives.moved_itemsize(self.dtype))
 
 
+def _cast_dtype(dtype: Any) -> Any:
+    """``dtype`` as a 16-bit float ``jnp.dtype``, or the TypeError that names the choices."""
+    name = getattr(dtype, "__name__", None) or str(dtype)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in _CAST_DTYPES:
+        raise TypeError(
+            f"dtype: expected one of {sorted(_CAST_DTYPES)} for jaxcomm.cast, got {name}"
+            " (use jaxcomm.int8 / jaxcomm.qsgd for integer quantisation)"
+        )
+    return resolved
+
+
 def cast(
     dtype: Any = jnp.bfloat16,
     *,
@@ -156,58 +173,38 @@ def cast(
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
+    XLA:CPU moves a 16-bit all-reduce as 4 bytes per entry (bf16 promoted by
+    XLA, fp16 widened by :class:`Cast`), and the wire report says so; GPU
+    (NCCL) and TPU reduce bf16 and fp16 natively.
+
     Args:
       dtype: ``jnp.bfloat16`` (default) or ``jnp.float16`` (or their names).
       axis_name: mesh axis to average over; ``None`` rounds locally.
-      accumulate: ``"psum"`` sums in the 16-bit dtype with one all-reduce
-        (what NCCL/TPU do natively; the sum of n values is rounded to 16
-        bits). ``"all_gather"`` moves the 16-bit payloads as ``uint16`` bits
-        (an all-gather on 2 workers, two-phase on more, see ``exchange``)
-        and sums them in float32: exact accumulation, 2 bytes per entry on
-        every backend. ``"auto"`` (default): ``"psum"`` on GPU and TPU,
-        ``"all_gather"`` on the CPU backend, where the 16-bit all-reduce
-        moves 4 bytes per entry (see the backend note); decided from
-        ``jax.default_backend()`` when the transform is first initialised
-        or traced, so building it does not start JAX (safe before
-        ``jax.distributed.initialize``). ``exchange="two_phase"`` or
-        ``"reduce_scatter"`` implies ``"all_gather"``; without an axis it is
-        ``"psum"`` (local rounding, the same result). To move an
-        error-feedback checkpoint between CPU and GPU/TPU runs, pass
-        ``accumulate`` explicitly: from 3 workers the CPU choice keeps a
-        server residual (``state.server``) that the psum does not have.
+      accumulate: ``"psum"``: one all-reduce in the 16-bit dtype (fp16 sends
+        ``g / n``: no overflow when every ``|g|`` fits fp16, entries below
+        ~6e-8·n underflow to zero). ``"all_gather"``: ``uint16`` bits over
+        the wire (see ``exchange``), summed in float32: exact, 2 bytes per
+        entry on every backend. ``"auto"`` (default): ``"psum"`` on GPU/TPU
+        and without an axis, ``"all_gather"`` on CPU (decided at first init
+        or trace, safe before ``jax.distributed.initialize``) and with
+        ``exchange="two_phase"`` or ``"reduce_scatter"``. Pass it explicitly
+        to move an error-feedback checkpoint between CPU and GPU/TPU runs:
+        from 3 workers the CPU choice keeps a server residual
+        (``state.server``) that the psum does not have.
       error_feedback: keep the rounding error in a residual.
       min_size: leaves with fewer entries are averaged in their own dtype.
       state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
       bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
       exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"``: how payloads travel, see :func:`jaxcomm.compress`.
-        With ``accumulate="psum"`` ``"auto"`` is that one all-reduce, as
-        ``"gather"`` (on XLA:CPU fp16 goes as fp16-rounded values widened to
-        float32, see :class:`Cast`; the others are refused). With
-        ``accumulate="all_gather"`` (the default on CPU) ``"auto"`` takes
-        the one that moves fewer bytes for the axis size: the uint16
-        all-gather on 2 workers, two-phase (uint16 words both ways, summed
-        in float32) on more; force ``"gather"`` where compute bounds the
-        step.
+        ``"reduce_scatter"`` (see :func:`jaxcomm.compress`). With
+        ``accumulate="psum"`` only the one all-reduce (``"auto"`` or
+        ``"gather"``). With ``"all_gather"``, ``"auto"`` takes the one that
+        moves fewer bytes for the axis size: the uint16 all-gather on 2
+        workers, two-phase (uint16 both ways, summed in float32) on more;
+        force ``"gather"`` where compute bounds the step.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
-
-    fp16 range: with ``accumulate="psum"`` each worker sends ``g / n`` in
-    float16 and the all-reduce sums those, so the sum cannot overflow for any
-    n when every ``|g|`` fits fp16 (max 65504); summing first and dividing
-    after gave inf at n = 4 for ``|g|`` in [2e4, 6e4]. The cost: entries below
-    ~6e-8·n underflow to zero (torch's ``fp16_compress_hook`` makes the same
-    trade). ``accumulate="all_gather"`` sums in float32 and needs neither.
-
-    Backend note: XLA:CPU promotes a bf16 all-reduce to float32 in the
-    compiled program, and fp16 is widened by us (see :class:`Cast`), so on
-    CPU ``accumulate="psum"`` moves 4 bytes per entry, as dense fp32 does:
-    the wire report says so (``jaxcomm.accounting.collective_bytes`` reads
-    the same from HLO). That is why ``"auto"`` picks the ``uint16`` words
-    there (step times against the bf16 psum and dense fp32:
-    ``experiments/results/cast_words.json``). GPU (NCCL) and TPU reduce bf16
-    and fp16 natively.
 
     Example:
       >>> tx = optax.chain(jaxcomm.cast(jnp.bfloat16, axis_name="data"), optax.adam(1e-3))
@@ -215,16 +212,7 @@ def cast(
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740.
     """
-    name = getattr(dtype, "__name__", None) or str(dtype)
-    try:
-        resolved = jnp.dtype(dtype)
-    except TypeError:
-        resolved = None
-    if resolved is None or resolved.name not in _CAST_DTYPES:
-        raise TypeError(
-            f"dtype: expected one of {sorted(_CAST_DTYPES)} for jaxcomm.cast, got {name}"
-            " (use jaxcomm.int8 / jaxcomm.qsgd for integer quantisation)"
-        )
+    resolved = _cast_dtype(dtype)
     if accumulate not in ("auto", "psum", "all_gather"):
         raise ValueError(f"accumulate: expected 'auto', 'psum' or 'all_gather', got {accumulate!r}")
 
@@ -243,6 +231,11 @@ def cast(
         accumulate = "psum" if axis_name is None else "all_gather"
     if accumulate != "auto":
         return build(accumulate)
+    # "auto" reads jax.default_backend() at first init/trace, so building the transform does
+    # not start JAX. On CPU a 16-bit psum moves 4 bytes per entry, as dense fp32 does (and
+    # accounting.collective_bytes reads the same from HLO): the uint16 words beat the bf16
+    # psum and dense fp32 (step times: experiments/results/cast_words.json). GPU and TPU
+    # keep the native 16-bit psum.
     # both built (and their arguments checked) now; which one runs is decided later
     return _by_backend(cpu=build("all_gather"), other=build("psum"))
 
