@@ -15,10 +15,10 @@ SIGKILLs itself after joining the round's quorum, before sending its
 pseudo-gradient): the survivors' round is rolled back to the anchor and the
 next one commits without it.
 
-The launcher holds torchft's lighthouse (in process; ``torchft_lighthouse``
-is the same server as a command) and starts each replica as its own JAX
-program (``--role=replica``): a tanh MLP regressing a fixed random teacher,
-``--inner_steps`` AdamW steps per round in one jitted ``lax.scan`` (each
+The launcher (:mod:`experiments.elastic_launch`) holds torchft's lighthouse
+(in process; ``torchft_lighthouse`` is the same server as a command) and starts
+each replica as its own JAX program (``--role=replica``): a tanh MLP regressing
+a fixed random teacher, ``--inner_steps`` AdamW steps per round in one jitted ``lax.scan`` (each
 replica draws its own batches), then :meth:`jaxcomm.ElasticDiLoCo.sync`.
 A replica stops once ``--rounds`` rounds are committed and its last round
 had every expected replica in it (the survivors go on until a restarted
@@ -31,22 +31,22 @@ launcher prints a table and writes ``OUT/summary.json``. Needs ``pip install "ja
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 import time
 
-# one XLA and torch thread per replica: several replicas share few cores
-CHILD_ENV = {
-    "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-    "JAX_PLATFORMS": "cpu",
-    "OMP_NUM_THREADS": "1",
-    "RUST_LOG": "error",  # torchft's servers log every quorum at info
-}
+from experiments.elastic_launch import (
+    CHILD_ENV,
+    Replicas,
+    lighthouse,
+    mark_ready,
+    sha256,
+    supervise,
+    wait_ready,
+)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -78,16 +78,6 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--die_at", type=int, default=-1)
     p.add_argument("--finish_with", type=int, default=1)
     return p.parse_args(argv)
-
-
-def sha256(tree) -> str:
-    import jax
-    import numpy as np
-
-    h = hashlib.sha256()
-    for x in jax.tree.leaves(tree):
-        h.update(np.asarray(x).tobytes())
-    return h.hexdigest()
 
 
 def replica(args: argparse.Namespace) -> None:
@@ -141,9 +131,8 @@ def replica(args: argparse.Namespace) -> None:
     )
     out = pathlib.Path(args.out)
     if args.incarnation == 0:  # the job starts with every replica up (a restart joins alone)
-        (out / f"ready_{args.replica}").touch()
-        while len(list(out.glob("ready_*"))) < args.replicas:
-            time.sleep(0.05)
+        mark_ready(out, args.replica)
+        wait_ready(out, args.replicas)
     if args.die_at >= 0 and args.kill_in == "allreduce":
         allreduce = manager.allreduce
 
@@ -198,9 +187,6 @@ def replica(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace) -> dict:
     """Start the lighthouse and the replicas, kill and restart as asked; the summary."""
-    os.environ.setdefault("RUST_LOG", "error")  # before torchft starts its servers' logger
-    from torchft.coordination import LighthouseServer
-
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for f in [*out.glob("replica_*.jsonl"), *out.glob("ready_*")]:
@@ -214,49 +200,37 @@ def launch(args: argparse.Namespace) -> dict:
     restart = victim >= 0 and args.restart_after >= 0
     min_replicas = args.min_replicas or (args.replicas - (victim >= 0))
     finish_with = args.replicas - (victim >= 0 and not restart)
-    lighthouse = LighthouseServer(
-        bind="[::]:0",
-        min_replicas=min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    )
     env = {**os.environ, **CHILD_ENV}
-    # the replicas are local: reach the lighthouse at localhost (it names the machine's
-    # hostname, which a container may not resolve)
-    address = "http://localhost:" + lighthouse.address().rsplit(":", 1)[1]
+    with lighthouse(min_replicas, join_timeout_ms=args.join_timeout_ms,
+                    heartbeat_timeout_ms=args.heartbeat_timeout_ms) as address:  # fmt: skip
 
-    def start(i: int, incarnation: int, die: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "experiments.elastic_demo", "--role=replica",
-               f"--replica={i}", f"--incarnation={incarnation}", f"--die_at={die}",
-               f"--lighthouse={address}", f"--out={out}",
-               f"--finish_with={finish_with}", f"--min_replicas={min_replicas}",
-               f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
-               f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",
-               f"--replicas={args.replicas}", f"--deadline_s={args.deadline_s}",
-               f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}"]  # fmt: skip
-        return subprocess.Popen(cmd, env=env)
+        def command(i: int, incarnation: int) -> list[str]:
+            die = die_at if i == victim and incarnation == 0 else -1
+            return [sys.executable, "-m", "experiments.elastic_demo", "--role=replica",
+                    f"--replica={i}", f"--incarnation={incarnation}", f"--die_at={die}",
+                    f"--lighthouse={address}", f"--out={out}",
+                    f"--finish_with={finish_with}", f"--min_replicas={min_replicas}",
+                    f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
+                    f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",
+                    f"--replicas={args.replicas}", f"--deadline_s={args.deadline_s}",
+                    f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}"]  # fmt: skip
 
-    procs = {i: start(i, 0, die_at if i == victim else -1) for i in range(args.replicas)}
-    codes: dict[int, list[int]] = {i: [] for i in procs}
-    deadline = time.monotonic() + args.deadline_s
-    try:
-        while procs:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas {sorted(procs)} still running after --deadline_s")
-            for i, p in list(procs.items()):
-                if p.poll() is None:
-                    continue
-                codes[i].append(p.returncode)
-                del procs[i]
-                if i == victim and restart and len(codes[i]) == 1:
-                    time.sleep(args.restart_after)
-                    procs[i] = start(i, 1, -1)
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():  # only the replicas this launcher started
-            p.kill()
-            p.wait()
-        lighthouse.shutdown()
+        replicas = Replicas(command, args.replicas, env)
+        due: dict[int, float] = {}  # replica -> when to restart it
+
+        def policy(now: float, ended: list[int]) -> None:
+            for i in ended:  # the victim's first exit: restart it once, restart_after later
+                if i == victim and restart and replicas.incarnation(i) == 1:
+                    due[i] = now + args.restart_after
+            for i, t in list(due.items()):
+                if now >= t:
+                    replicas.start(i)
+                    del due[i]
+
+        for i in range(args.replicas):
+            replicas.start(i)
+        supervise(replicas, policy, deadline_s=args.deadline_s)
+    codes = replicas.codes
     summary = {"codes": codes, "lost": victim if victim >= 0 and not restart else None,
                "replicas": {}}  # fmt: skip
     for i in range(args.replicas):
