@@ -133,18 +133,14 @@ def hierarchical(
     (within a node: NVLink/PCIe), so only ``tx``'s compressed payload crosses
     the slow links.
 
-    * ``inner_size`` given (sharded, the efficient form): reduce-scatter over
-      the inner axis gives each of the node's ``inner_size`` workers the
-      node-mean of a 1/``inner_size`` shard of every leaf (flattened, padded);
-      ``tx`` compresses and exchanges that shard over the slow axis; an
-      all-gather over the inner axis reassembles the leaf. Every worker's
-      slow-link bytes are ``tx``'s bytes for a shard, so a node sends what one
-      worker would send for the whole model. ``tx`` sees flat shards (use
-      it for element-wise compressors; leaf shapes are lost).
+    * ``inner_size`` given (sharded, the efficient form): each of the node's
+      ``inner_size`` workers runs ``tx`` on a 1/``inner_size`` shard of every
+      leaf, so its slow-link bytes are ``tx``'s bytes for a shard and a node
+      sends what one worker would send for the whole model. ``tx`` sees flat
+      shards (use it for element-wise compressors; leaf shapes are lost).
     * ``inner_size=None`` (replicated): dense mean over the inner axis, then
       ``tx`` on the whole gradient on every worker (keeps leaf shapes, e.g.
-      for PowerSGD); every worker of a node sends the same payload over its
-      own slow-axis group.
+      for PowerSGD); every worker of a node sends the same payload.
 
     Args:
       tx: the transform for the slow axis (e.g. ``jaxcomm.topk(0.01,
@@ -175,17 +171,12 @@ def hierarchical(
         raise ValueError(f"inner_size: expected an int >= 1 or None, got {inner_size!r}")
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
 
-    def shard_len(x) -> int:
-        return -(-int(np.size(x)) // inner_size)
-
-    def flat_padded(x, c):
-        x = jnp.reshape(x, (-1,))
-        return jnp.pad(x, (0, inner_size * c - x.shape[0]))
-
     def init_fn(params):
         if inner_size is None:
             return HierarchicalState(tx.init(params))
-        shards = jax.tree.map(lambda p: jnp.zeros((shard_len(p),), jnp.result_type(p)), params)
+        shards = jax.tree.map(
+            lambda p: jnp.zeros((_shard_len(p, inner_size),), jnp.result_type(p)), params
+        )
         return HierarchicalState(tx.init(shards))
 
     def update_fn(updates, state, params=None):
@@ -199,35 +190,57 @@ def hierarchical(
             updates = buckets.bucketed_pmean(updates, inner_axis, bucket_bytes)
             out, inner = tx.update(updates, state.inner, params)
             return out, HierarchicalState(inner)
-        n = collectives.axis_size(inner_axis)
-        if n != inner_size:
-            raise ValueError(
-                f"inner_size: the transform was built for {inner_size} workers on "
-                f"{inner_axis!r} but the axis has {n}"
-            )
-
-        leaves, treedef = jax.tree.flatten(updates)
-        sums = buckets.bucketed_psum_scatter(
-            [flat_padded(g, shard_len(g)) for g in leaves], inner_axis, bucket_bytes
+        out, inner = _sharded_update(
+            tx, updates, state.inner, params, inner_axis, inner_size, bucket_bytes
         )
-        shards = treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
-        shard_params = None
-        if params is not None:
-            me = collectives.axis_index(inner_axis)
-            shard_params = jax.tree.map(
-                lambda p: lax.dynamic_slice_in_dim(
-                    flat_padded(p, shard_len(p)), me * shard_len(p), shard_len(p)
-                ),
-                params,
-            )
-        out_shards, inner = tx.update(shards, state.inner, shard_params)
-        gathered = buckets.bucketed_all_gather(
-            jax.tree.leaves(out_shards), inner_axis, bucket_bytes
-        )
-        out = [o.reshape(-1)[: np.size(g)].reshape(jnp.shape(g)) for o, g in zip(gathered, leaves)]
-        return treedef.unflatten(out), HierarchicalState(inner)
+        return out, HierarchicalState(inner)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _shard_len(x, inner_size: int) -> int:
+    """Entries of one worker's shard of leaf ``x`` (its flat length over ``inner_size``, up)."""
+    return -(-int(np.size(x)) // inner_size)
+
+
+def _flat_padded(x, inner_size: int):
+    """Leaf ``x`` flattened and zero-padded to ``inner_size`` shards."""
+    x = jnp.reshape(x, (-1,))
+    return jnp.pad(x, (0, inner_size * _shard_len(x, inner_size) - x.shape[0]))
+
+
+def _sharded_update(tx, updates, inner_state, params, inner_axis, inner_size, bucket_bytes):
+    """:func:`hierarchical`'s sharded form: ``tx`` on this worker's shard of the node mean."""
+    n = collectives.axis_size(inner_axis)
+    if n != inner_size:
+        raise ValueError(
+            f"inner_size: the transform was built for {inner_size} workers on "
+            f"{inner_axis!r} but the axis has {n}"
+        )
+    # reduce-scatter over the inner axis: each of the node's workers holds the node-mean of a
+    # 1/inner_size shard of every leaf (flattened, padded) ...
+    leaves, treedef = jax.tree.flatten(updates)
+    sums = buckets.bucketed_psum_scatter(
+        [_flat_padded(g, inner_size) for g in leaves], inner_axis, bucket_bytes
+    )
+    shards = treedef.unflatten([s / jnp.asarray(n, s.dtype) for s in sums])
+    shard_params = None
+    if params is not None:
+        me = collectives.axis_index(inner_axis)
+        shard_params = jax.tree.map(
+            lambda p: lax.dynamic_slice_in_dim(
+                _flat_padded(p, inner_size),
+                me * _shard_len(p, inner_size),
+                _shard_len(p, inner_size),
+            ),
+            params,
+        )
+    # ... tx compresses and exchanges that shard over the slow axis ...
+    out_shards, inner = tx.update(shards, inner_state, shard_params)
+    # ... and an all-gather over the inner axis reassembles the leaf
+    gathered = buckets.bucketed_all_gather(jax.tree.leaves(out_shards), inner_axis, bucket_bytes)
+    out = [o.reshape(-1)[: np.size(g)].reshape(jnp.shape(g)) for o, g in zip(gathered, leaves)]
+    return treedef.unflatten(out), inner
 
 
 # --- two-phase compressed all-reduce -------------------------------------------------
@@ -374,20 +387,9 @@ def two_phase(
     phase2, new_servers = [], []
     for v, (d, c), rec, k, srv in zip(vecs, layout, received, chunk_keys, servers):
         mean = compressor.decode_mean(rec, None, c, v.dtype, n)  # my chunk, all workers
-        if srv is not None:
-            padded = jnp.pad(srv, (0, n * c - d))
-            s_state = mean.astype(srv.dtype) + lax.dynamic_slice_in_dim(padded, me * c, c)
-            s = s_state.astype(v.dtype)
-        else:
-            s = mean
-        payload, aux = server.encode(s, k)
-        payload = tuple(payload)
+        payload, new_server = _server_encode(server, mean, srv, k, v.dtype, d, c, n, me)
         phase2.append(payload)
-        if srv is not None:
-            r = server.residual(s_state, payload, aux).astype(srv.dtype)
-            new_servers.append(lax.dynamic_update_slice_in_dim(padded, r, me * c, 0)[:d])
-        else:
-            new_servers.append(None)
+        new_servers.append(new_server)
     # the NaN rule's flag (1 byte) rides in the all-gather: every worker sees all n
     flat = [x for p in phase2 for x in p] + dense_chunks + [(~ok).astype(jnp.uint8)]
     gathered = buckets.bucketed_all_gather(flat, axis_name, bucket_bytes)
@@ -399,6 +401,29 @@ def two_phase(
     new_servers = [
         s if s is None else jnp.where(ok, s, old) for s, old in zip(new_servers, servers)
     ]
+    return _decode_means(server, vecs, layout, phase2, gathered), own, new_servers, ok, sums
+
+
+def _server_encode(server, mean, srv, k, dtype, d: int, c: int, n: int, me):
+    """Phase two of :func:`two_phase` on this worker's chunk: ``mean`` plus its slice of the
+    server residual ``srv`` (if any) encoded by ``server``; the payload and the new residual."""
+    if srv is not None:
+        padded = jnp.pad(srv, (0, n * c - d))
+        s_state = mean.astype(srv.dtype) + lax.dynamic_slice_in_dim(padded, me * c, c)
+        s = s_state.astype(dtype)
+    else:
+        s = mean
+    payload, aux = server.encode(s, k)
+    payload = tuple(payload)
+    if srv is None:
+        return payload, None
+    r = server.residual(s_state, payload, aux).astype(srv.dtype)
+    return payload, lax.dynamic_update_slice_in_dim(padded, r, me * c, 0)[:d]
+
+
+def _decode_means(server, vecs, layout, phase2, gathered) -> list[jax.Array]:
+    """Every worker's phase-two payloads (the all-gathered ``gathered`` rows, in the order of
+    ``phase2``) decoded by ``server``: the worker mean (d,) of each vector."""
     means, i = [], 0
     for v, (d, c), payload in zip(vecs, layout, phase2):
         rows = gathered[i : i + len(payload)]
@@ -407,4 +432,4 @@ def two_phase(
             lambda *pl, c=c, dt=v.dtype: server.decode(tuple(x[None] for x in pl), None, c, dt)
         )(*rows)
         means.append(dec.reshape(-1)[:d])
-    return means, own, new_servers, ok, sums
+    return means

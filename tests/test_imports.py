@@ -189,8 +189,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/compressors/powersgd.py:powersgd",
     "jaxcomm/compressors/selection.py:strided_best",
     "jaxcomm/core.py:compress",
-    "jaxcomm/exchange.py:hierarchical",
-    "jaxcomm/exchange.py:two_phase",
     "jaxcomm/flax.py:data_parallel",
     "jaxcomm/loco/sparseloco.py:sparseloco",
     "jaxcomm/optim/demo.py:demo",
