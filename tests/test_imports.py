@@ -196,8 +196,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/optim/zero_one_adam.py:zero_one_adam",
     "jaxcomm/optim/zero_one_adam.py:update_fn",
     "jaxcomm/parallel/step.py:data_parallel",
-    "jaxcomm/sync/averaging.py:local_sgd",
-    "jaxcomm/sync/averaging.py:diloco",
 }
 
 

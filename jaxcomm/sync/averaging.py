@@ -26,7 +26,8 @@ class LocalSGDState(NamedTuple):
     Attributes:
       count: int32 ``[]``, updates made (saturates at the int32 maximum).
       local_steps: int32 ``[]``, steps since the last synchronisation.
-      syncs: int32 ``[]``, synchronisations executed.
+      syncs: int32 ``[]``, synchronisations executed: over ``T`` steps
+        ``min(T, warmup_steps) + max(0, T - warmup_steps) // every``.
       inner_state: state of the inner optimizer.
       anchor: params after the last synchronisation (params' tree and dtypes;
         one model copy); ``None`` without a compressor.
@@ -84,19 +85,15 @@ def local_sgd(
 ) -> optax.GradientTransformation:
     """Local SGD: ``every`` local optimizer steps, then parameter averaging (post-local SGD).
 
-    Each worker applies ``inner``'s update ``u`` to its own params. After the
-    first ``warmup_steps`` steps (which all synchronise: post-local SGD's
-    phase of ordinary synchronous training) every ``every``-th step is a
-    synchronisation: it returns ``pmean(params + u) - params``, so all
-    replicas land on the average. Over ``T`` steps that is
-    ``min(T, warmup_steps) + max(0, T - warmup_steps) // every``
-    synchronisations (``state.syncs`` counts them as they execute). The inner
-    optimizer's state is per worker and never averaged.
-
-    With ``compressor``, what is averaged is the parameter delta since the
-    last synchronisation, ``params + u - anchor``, compressed (with the
-    compressor's own error feedback); the anchor (one model copy) is kept in
-    the state. All replicas again agree after a synchronisation.
+    Each worker applies ``inner``'s update ``u`` to its own params. The first
+    ``warmup_steps`` steps all synchronise (post-local SGD's phase of ordinary
+    synchronous training), then every ``every``-th step: it returns
+    ``pmean(params + u) - params``, so all replicas land on the average
+    (``state.syncs`` counts them). The inner optimizer's state is per worker
+    and never averaged. With ``compressor``, the parameter delta since the
+    last synchronisation, ``params + u - anchor``, is averaged compressed
+    (with the compressor's own error feedback; the anchor, one model copy, is
+    kept in the state); all replicas again agree after a synchronisation.
 
     Params must be kept per worker (see the module docstring): under
     ``jax.shard_map`` use ``out_specs=P("data")`` for params and state.
@@ -106,20 +103,17 @@ def local_sgd(
         sees only the worker's own gradients.
       every: local steps per synchronisation, an int >= 1 (1: synchronous
         parameter averaging every step).
-      axis_name: mesh axis to average over; ``None``: a single worker, the
-        synchronisation is a no-op.
+      axis_name: mesh axis to average over; ``None``: one worker, synchronising is a no-op.
       warmup_steps: number of initial steps that all synchronise, an int >= 0.
       compressor: ``None``, a jaxcomm transform built with the same
         ``axis_name`` (e.g. ``jaxcomm.topk(0.01, axis_name="data")``) or a
         :class:`jaxcomm.Compressor` (wrapped with error feedback and
         ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
-        :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (:func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`LocalSGDState`; its
-      ``update`` requires ``params`` (``ValueError`` naming ``params``
-      otherwise).
+      ``update`` requires ``params`` (``ValueError`` naming ``params`` otherwise).
 
     Example:
       >>> tx = jaxcomm.local_sgd(optax.sgd(0.1), every=8, axis_name="data", warmup_steps=100)
@@ -138,42 +132,17 @@ def local_sgd(
     comp = as_compressor(compressor, axis_name)
 
     def init_fn(params):
-        if comp is not None:
-            check_compressor_axis(comp, params, axis_name)
-        return LocalSGDState(
-            count=zero_count(),
-            local_steps=zero_count(),
-            syncs=zero_count(),
-            inner_state=inner.init(params),
-            anchor=None if comp is None else jax.tree.map(jnp.asarray, params),
-            compressor_state=None if comp is None else comp.init(params),
-        )
+        return _local_sgd_init(inner, comp, axis_name, params)
 
     def update_fn(updates, state, params=None):
         checks.require_params(params, "local_sgd")
         checks.check_state(state, LocalSGDState, "local_sgd")
         collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
-
-        def sync(u, params, anchor, comp_state, syncs):
-            local = add_updates(params, u)
-            if comp is not None:
-                delta = jax.tree.map(lambda x, a: x - a, local, anchor)
-                mean, comp_state = comp.update(delta, comp_state, anchor)
-                new = add_updates(anchor, mean)
-                anchor = new
-            elif axis_name is None:
-                return u, anchor, comp_state, inc_count(syncs)
-            else:
-                new = buckets.bucketed_pmean(local, axis_name, bucket_bytes)
-            return updates_to(new, params, u), anchor, comp_state, inc_count(syncs)
-
-        def stay(u, params, anchor, comp_state, syncs):
-            return u, anchor, comp_state, syncs
-
+        sync = _local_sgd_sync(comp, axis_name, bucket_bytes)
         is_sync = sync_step(state, every, warmup_steps)
         u, anchor, comp_state, syncs = typed_cond(
-            is_sync, sync, stay, u, params, state.anchor, state.compressor_state, state.syncs
+            is_sync, sync, _stay, u, params, state.anchor, state.compressor_state, state.syncs
         )
         return u, LocalSGDState(
             count=inc_count(state.count),
@@ -185,6 +154,44 @@ def local_sgd(
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _local_sgd_init(inner, comp: Any, axis_name: AxisName | None, params) -> LocalSGDState:
+    """:func:`local_sgd`'s initial state for ``params``."""
+    if comp is not None:
+        check_compressor_axis(comp, params, axis_name)
+    return LocalSGDState(
+        count=zero_count(),
+        local_steps=zero_count(),
+        syncs=zero_count(),
+        inner_state=inner.init(params),
+        anchor=None if comp is None else jax.tree.map(jnp.asarray, params),
+        compressor_state=None if comp is None else comp.init(params),
+    )
+
+
+def _stay(u, params, *carried):
+    """The branch of a step that does not synchronise: ``u`` and the carried state as they are."""
+    return (u, *carried)
+
+
+def _local_sgd_sync(comp: Any, axis_name: AxisName | None, bucket_bytes: int | None):
+    """:func:`local_sgd`'s synchronising branch ``(u, params, anchor, comp_state, syncs)``."""
+
+    def sync(u, params, anchor, comp_state, syncs):
+        local = add_updates(params, u)
+        if comp is not None:  # the delta since the last synchronisation, compressed
+            delta = jax.tree.map(lambda x, a: x - a, local, anchor)
+            mean, comp_state = comp.update(delta, comp_state, anchor)
+            new = add_updates(anchor, mean)
+            anchor = new
+        elif axis_name is None:
+            return u, anchor, comp_state, inc_count(syncs)
+        else:
+            new = buckets.bucketed_pmean(local, axis_name, bucket_bytes)
+        return updates_to(new, params, u), anchor, comp_state, inc_count(syncs)
+
+    return sync
 
 
 # The paper's outer optimizer (Douillard et al. 2023, Sec. 3): Nesterov SGD, lr 0.7, momentum 0.9.
@@ -207,32 +214,28 @@ def diloco(
     outer optimizer updates the anchor (``anchor += outer(delta)``), and every
     worker adopts the new anchor: the step returns ``anchor - params``. The
     inner state is kept across rounds (as in the paper). With
-    ``outer=optax.sgd(1.0)`` this is exactly :func:`local_sgd`.
-
-    With ``compressor``, each worker sends its own ``anchor - (params + u)``
+    ``outer=optax.sgd(1.0)`` this is exactly :func:`local_sgd`. With
+    ``compressor``, each worker sends its own ``anchor - (params + u)``
     through the compressor (with error feedback, so what is not sent is
     carried to the next round) and the outer optimizer sees the compressed
-    mean.
-
-    Params must be kept per worker (see the module docstring).
+    mean. Params must be kept per worker (see the module docstring).
 
     Args:
       inner: the inner (local) optimizer, e.g. ``optax.adamw(4e-4)``.
       every: inner steps per outer step (H in the paper), an int >= 1.
       axis_name: mesh axis to average over; ``None``: a single worker.
-      outer: the outer optimizer; default
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` as in the paper.
+      outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``
+        as in the paper.
       compressor: ``None``, a jaxcomm transform built with the same
         ``axis_name`` or a :class:`jaxcomm.Compressor` (wrapped with error
         feedback and ``min_size=0``).
-      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
-        :func:`jaxcomm.compress`).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (:func:`jaxcomm.compress`).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DiLoCoState`; its
-      ``update`` requires ``params`` (``ValueError`` naming ``params``
-      otherwise). ``init`` takes floating-point params only (the outer step
-      moves every leaf): an integer or bool leaf raises ``TypeError`` naming it.
+      ``update`` requires ``params`` (``ValueError`` naming ``params`` otherwise).
+      ``init`` takes floating-point params only (the outer step moves every
+      leaf): an integer or bool leaf raises ``TypeError`` naming it.
 
     Example:
       >>> tx = jaxcomm.diloco(optax.adamw(1e-3), every=500, axis_name="data")
@@ -251,57 +254,18 @@ def diloco(
     comp = as_compressor(compressor, axis_name)
 
     def init_fn(params):
-        check_float_params(params)
-        if comp is not None:
-            check_compressor_axis(comp, params, axis_name)
-        anchor = jax.tree.map(jnp.asarray, params)
-        return DiLoCoState(
-            count=zero_count(),
-            local_steps=zero_count(),
-            syncs=zero_count(),
-            inner_state=inner.init(params),
-            anchor=anchor,
-            outer_state=outer.init(anchor),
-            compressor_state=None if comp is None else comp.init(params),
-        )
+        return _diloco_init(inner, outer, comp, axis_name, params)
 
     def update_fn(updates, state, params=None):
         checks.require_params(params, "diloco")
         checks.check_state(state, DiLoCoState, "diloco")
         collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
-
-        def sync(u, params, anchor, outer_state, comp_state, syncs):
-            local = add_updates(params, u)
-            if comp is not None:
-                drift = jax.tree.map(lambda a, x: a - x, anchor, local)
-                delta, comp_state = comp.update(drift, comp_state, anchor)
-            else:
-                mean = (
-                    local
-                    if axis_name is None
-                    else buckets.bucketed_pmean(local, axis_name, bucket_bytes)
-                )
-                delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
-            step, outer_state = outer.update(delta, outer_state, anchor)
-            anchor = add_updates(anchor, step)
-            return updates_to(anchor, params, u), anchor, outer_state, comp_state, inc_count(syncs)
-
-        def stay(u, params, anchor, outer_state, comp_state, syncs):
-            return u, anchor, outer_state, comp_state, syncs
-
+        sync = _diloco_sync(outer, comp, axis_name, bucket_bytes)
         is_sync = sync_step(state, every, 0)
-        u, anchor, outer_state, comp_state, syncs = typed_cond(
-            is_sync,
-            sync,
-            stay,
-            u,
-            params,
-            state.anchor,
-            state.outer_state,
-            state.compressor_state,
-            state.syncs,
-        )
+        carried = (state.anchor, state.outer_state, state.compressor_state, state.syncs)
+        u, *carried = typed_cond(is_sync, sync, _stay, u, params, *carried)
+        anchor, outer_state, comp_state, syncs = carried
         return u, DiLoCoState(
             count=inc_count(state.count),
             local_steps=jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32),
@@ -313,3 +277,42 @@ def diloco(
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _diloco_init(inner, outer, comp: Any, axis_name: AxisName | None, params) -> DiLoCoState:
+    """:func:`diloco`'s initial state for ``params`` (floating-point leaves only)."""
+    check_float_params(params)
+    if comp is not None:
+        check_compressor_axis(comp, params, axis_name)
+    anchor = jax.tree.map(jnp.asarray, params)
+    return DiLoCoState(
+        count=zero_count(),
+        local_steps=zero_count(),
+        syncs=zero_count(),
+        inner_state=inner.init(params),
+        anchor=anchor,
+        outer_state=outer.init(anchor),
+        compressor_state=None if comp is None else comp.init(params),
+    )
+
+
+def _diloco_sync(outer, comp: Any, axis_name: AxisName | None, bucket_bytes: int | None):
+    """:func:`diloco`'s outer step ``(u, params, anchor, outer_state, comp_state, syncs)``."""
+
+    def sync(u, params, anchor, outer_state, comp_state, syncs):
+        local = add_updates(params, u)
+        if comp is not None:  # each worker's own drift, through the compressor
+            drift = jax.tree.map(lambda a, x: a - x, anchor, local)
+            delta, comp_state = comp.update(drift, comp_state, anchor)
+        else:
+            mean = (
+                local
+                if axis_name is None
+                else buckets.bucketed_pmean(local, axis_name, bucket_bytes)
+            )
+            delta = jax.tree.map(lambda a, m: a - m, anchor, mean)
+        step, outer_state = outer.update(delta, outer_state, anchor)
+        anchor = add_updates(anchor, step)
+        return updates_to(anchor, params, u), anchor, outer_state, comp_state, inc_count(syncs)
+
+    return sync
