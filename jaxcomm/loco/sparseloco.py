@@ -200,27 +200,23 @@ def sparseloco(
     """SparseLoCo: local steps, then a top-k, 2-bit, error-feedback-compressed outer step.
 
     Each worker runs ``inner`` on its own params. On every ``every``-th step
-    (as :func:`jaxcomm.diloco`) it forms ``delta = anchor - (params + u)``,
-    updates its error buffer ``e = error_decay·e + delta``, sends
-    ``c = Q(TopK(e))`` (see the module docstring for the codec) and keeps
-    ``e -= c``. The mean of the workers' ``c`` moves the anchor,
-    ``anchor -= outer_learning_rate·mean(c)``, and the step returns
-    ``anchor - params``: every worker adopts the anchor. There is no outer
-    momentum: the decayed error buffer stands in for it. The inner state and
-    the error buffer are per worker and kept across rounds.
+    (as :func:`jaxcomm.diloco`) it folds ``delta = anchor - (params + u)``
+    into its error buffer, ``e = error_decay·e + delta``, sends
+    ``c = Q(TopK(e))`` (the codec: see the module docstring) and keeps
+    ``e -= c``; the step returns ``anchor - params`` for the new
+    ``anchor -= outer_learning_rate·mean(c)``: every worker adopts it. The
+    decayed error buffer stands in for outer momentum; it and the inner state
+    are per worker and kept across rounds (params too, see :mod:`jaxcomm.sync`).
 
-    Wire per synchronisation and worker: :func:`sparseloco_sync_bytes`
-    (one all-gather); other steps send nothing. Params must be kept per
-    worker (see :mod:`jaxcomm.sync`). Non-finite pseudo-gradients: a NaN/Inf
-    is always among the kept entries, so it reaches its chunk's scale and
-    every worker's anchor (the NaN rule); the error buffer holds it too, so
-    wrap the transform in :func:`jaxcomm.skip_nonfinite` to skip such steps.
+    Wire: :func:`sparseloco_sync_bytes` per synchronisation and worker (one
+    all-gather); other steps send nothing. A NaN/Inf pseudo-gradient reaches
+    every worker's anchor and the error buffer (the NaN rule): wrap the
+    transform in :func:`jaxcomm.skip_nonfinite` to skip such steps.
 
     Args:
       inner: the inner (local) optimizer, e.g. ``optax.adamw(1e-3)``.
       every: inner steps per synchronisation (H in the paper), an int >= 1.
-      axis_name: mesh axis to average over; ``None``: a single worker (the
-        compression still runs).
+      axis_name: mesh axis to average over; ``None``: one worker (the compression still runs).
       outer_learning_rate: ``alpha``, a float > 0.
       error_decay: ``beta``, the decay of the error buffer, in [0, 1].
       chunk: entries per chunk, an int >= 1 (a leaf smaller than ``chunk`` is
@@ -252,60 +248,70 @@ def sparseloco(
     state_dtype = checks.check_state_dtype(state_dtype)
 
     def init_fn(params):
-        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        zero = jnp.zeros((), jnp.int32)
-        return SparseLoCoState(
-            count=zero,
-            local_steps=zero,
-            syncs=zero,
-            inner_state=inner.init(params),
-            anchor=jax.tree.map(jnp.asarray, params),
-            error=jax.tree.map(
-                lambda p: jnp.zeros(
-                    jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
-                ),
-                params,
-            ),
-        )
+        return _init(inner, state_dtype, params)
 
     def update_fn(updates, state, params=None):
         checks.require_params(params, "sparseloco")
         checks.check_state(state, SparseLoCoState, "sparseloco")
         collectives.check_per_worker(updates, axis_name)
         u, inner_state = inner.update(updates, state.inner_state, params)
-        treedef = jax.tree.structure(params)
-        layouts = [
-            _layout(math.prod(jnp.shape(p)), chunk, topk, bits) for p in jax.tree.leaves(params)
-        ]
-
-        def outer(u, params, anchor, error, syncs):
-            local = jax.tree.leaves(add_updates(params, u))
-            leaves = jax.tree.leaves
-            new_anchor, new_error = _outer_step(
-                leaves(anchor), leaves(error), local, layouts, beta, alpha, axis_name
-            )
-            anchor, error = treedef.unflatten(new_anchor), treedef.unflatten(new_error)
-            return (
-                updates_to(anchor, params, u),
-                anchor,
-                error,
-                optax.safe_int32_increment(syncs),
-            )
-
-        def stay(u, params, anchor, error, syncs):
-            return u, anchor, error, syncs
-
+        outer = _outer_branch(params, (chunk, topk, bits), beta, alpha, axis_name)
         is_sync = sync_step(state, every, 0)
         u, anchor, error, syncs = typed_cond(
-            is_sync, outer, stay, u, params, state.anchor, state.error, state.syncs
+            is_sync, outer, _stay, u, params, state.anchor, state.error, state.syncs
         )
-        return u, SparseLoCoState(
-            count=optax.safe_int32_increment(state.count),
-            local_steps=jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32),
-            syncs=syncs,
-            inner_state=inner_state,
-            anchor=anchor,
-            error=error,
-        )
+        count = optax.safe_int32_increment(state.count)
+        local_steps = jnp.where(is_sync, 0, state.local_steps + 1).astype(jnp.int32)
+        return u, SparseLoCoState(count, local_steps, syncs, inner_state, anchor, error)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _init(inner: optax.GradientTransformation, state_dtype: Any, params) -> SparseLoCoState:
+    """:func:`sparseloco`'s initial state for ``params`` (floating-point leaves only)."""
+    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+    zero = jnp.zeros((), jnp.int32)
+    return SparseLoCoState(
+        count=zero,
+        local_steps=zero,
+        syncs=zero,
+        inner_state=inner.init(params),
+        anchor=jax.tree.map(jnp.asarray, params),
+        error=jax.tree.map(
+            lambda p: jnp.zeros(
+                jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
+            ),
+            params,
+        ),
+    )
+
+
+def _outer_branch(params, codec: tuple[int, int, int], beta, alpha, axis_name):
+    """:func:`sparseloco`'s synchronising branch ``(u, params, anchor, error, syncs)`` for
+    params shaped as ``params``, ``codec = (chunk, topk, bits)``."""
+    # A NaN/Inf is always among the kept entries (top-k by magnitude), so it reaches its
+    # chunk's scale and every worker's anchor; the error buffer holds it too.
+    chunk, topk, bits = codec
+    treedef = jax.tree.structure(params)
+    layouts = [_layout(math.prod(jnp.shape(p)), chunk, topk, bits) for p in jax.tree.leaves(params)]
+
+    def outer(u, params, anchor, error, syncs):
+        local = jax.tree.leaves(add_updates(params, u))
+        leaves = jax.tree.leaves
+        new_anchor, new_error = _outer_step(
+            leaves(anchor), leaves(error), local, layouts, beta, alpha, axis_name
+        )
+        anchor, error = treedef.unflatten(new_anchor), treedef.unflatten(new_error)
+        return (
+            updates_to(anchor, params, u),
+            anchor,
+            error,
+            optax.safe_int32_increment(syncs),
+        )
+
+    return outer
+
+
+def _stay(u, params, anchor, error, syncs):
+    """The branch of a step that does not synchronise: ``u`` and the state as they are."""
+    return u, anchor, error, syncs
