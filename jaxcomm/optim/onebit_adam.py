@@ -63,14 +63,11 @@ def onebit_adam(
       ``m ← C(m_w)``: scaled sign (``mean|x|·sign(x)``, one bit per entry
       plus a float32 scale per chunk) on the two-phase exchange (worker and
       server error feedback); ``v`` stays as it was at the end of warm-up;
-    * update ``-lr·(m/(√v + ε) + wd·p)``. As the paper and DeepSpeed's
-      ``OnebitAdam`` do, no bias correction.
+    * update ``-lr·(m/(√v + ε) + wd·p)``, no bias correction (as the paper).
 
     After warm-up a worker sends about ``2(n-1)/n·d/8`` bytes per step
     (two-phase) instead of Adam's dense all-reduce of ``4d``: ~1/28 of the
-    operand bytes at n = 8. The scale is the mean magnitude (the
-    least-squares scale of a sign vector, as in EF-SignSGD); DeepSpeed uses
-    ``‖x‖₂/√d``.
+    operand bytes at n = 8.
 
     Args:
       learning_rate: a float or an optax schedule of the step.
@@ -78,16 +75,15 @@ def onebit_adam(
       warmup_steps: dense Adam steps before the variance is frozen, an int
         >= 0. The paper uses ~15-25% of training (e.g. 16% for BERT-Large);
         the variance must have settled.
-      axis_name: mesh axis to average over; ``None``: one worker (the
-        compression still applies, locally).
+      axis_name: mesh axis to average over; ``None``: one worker (compressed locally).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
       exchange: ``"auto"``, ``"two_phase"`` or ``"gather"`` (see :func:`jaxcomm.compress`).
       min_size: leaves with fewer entries have their momentum averaged densely.
       bucket_bytes: tensor fusion of every collective, as elsewhere.
 
     Returns:
-      An ``optax.GradientTransformation`` (an optimizer: it returns the
-      parameter updates) with :class:`OnebitAdamState`.
+      An optimizer (``optax.GradientTransformation`` returning the parameter
+      updates) with :class:`OnebitAdamState`.
 
     Example:
       >>> tx = jaxcomm.onebit_adam(1e-3, warmup_steps=1000, axis_name="data")
@@ -100,7 +96,36 @@ def onebit_adam(
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comm_tx = core.compress(
+    comm_tx = _momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
+
+    def init_fn(params):
+        return _init(comm_tx, params)
+
+    def update_fn(updates, state, params=None):
+        checks.check_state(state, OnebitAdamState, "onebit_adam")
+        if weight_decay and params is None:
+            raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
+        collectives.check_per_worker(updates, axis_name)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+        stage = (comm_tx, b1, b2, warmup_steps, axis_name, bucket_bytes)
+        mu, nu, comm = _moments(grads, state, *stage)
+
+        lr = common.learning_rate_at(learning_rate, state.count)
+        step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
+        if weight_decay:
+            step = jax.tree.map(lambda s, p: s + weight_decay * p, step, params)
+        out = jax.tree.map(lambda s, g: (-lr * s).astype(g.dtype), step, updates)
+        return out, _next_state(state, mu, nu, comm)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _momentum_exchange(axis_name, min_size, bucket_bytes, exchange):
+    """The compressed exchange of the momentum: scaled sign with worker and server residuals."""
+    # The scale is the mean magnitude (the least-squares scale of a sign vector, as in
+    # EF-SignSGD); DeepSpeed's OnebitAdam uses ||x||_2 / sqrt(d). No bias correction in
+    # the update, as in the paper and DeepSpeed's OnebitAdam.
+    return core.compress(
         ScaledSign(),
         axis_name=axis_name,
         min_size=min_size,
@@ -109,56 +134,50 @@ def onebit_adam(
         state_dtype=jnp.float32,
     )
 
-    def init_fn(params):
-        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        return OnebitAdamState(
-            count=jnp.zeros((), jnp.int32),
-            mu=common.zeros_f32(params),
-            nu=common.zeros_f32(params),
-            comm=comm_tx.init(common.zeros_f32(params)),
-            nonfinite=jnp.zeros((), jnp.int32),
-        )
 
-    def update_fn(updates, state, params=None):
-        checks.check_state(state, OnebitAdamState, "onebit_adam")
-        if weight_decay and params is None:
-            raise ValueError("params: weight_decay > 0 needs tx.update(updates, state, params)")
-        collectives.check_per_worker(updates, axis_name)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), updates)
+def _init(comm_tx: optax.GradientTransformation, params) -> OnebitAdamState:
+    """:func:`onebit_adam`'s initial state: zero moments and residuals (floating params only)."""
+    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+    return OnebitAdamState(
+        count=jnp.zeros((), jnp.int32),
+        mu=common.zeros_f32(params),
+        nu=common.zeros_f32(params),
+        comm=comm_tx.init(common.zeros_f32(params)),
+        nonfinite=jnp.zeros((), jnp.int32),
+    )
 
-        def warm(grads, mu, nu, comm):
-            if axis_name is not None:
-                grads = buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
-            mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
-            nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, nu, grads)
-            return mu, nu, comm
 
-        def compressed(grads, mu, nu, comm):
-            local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
-            mu, comm = comm_tx.update(local, comm)
-            return mu, nu, comm
+def _next_state(state: OnebitAdamState, mu, nu, comm) -> OnebitAdamState:
+    """The state after a step: the new moments and residuals unless they hold NaN/Inf."""
+    # The NaN rule holds for both stages (pmean / compress), so ``ok`` is the
+    # same on every worker; state that was finite stays finite.
+    ok = common.all_finite(mu, nu)
+    return OnebitAdamState(
+        count=optax.safe_int32_increment(state.count),
+        mu=common.keep(ok, mu, state.mu),
+        nu=common.keep(ok, nu, state.nu),
+        comm=common.keep(ok, comm, state.comm),
+        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+    )
 
-        args = (grads, state.mu, state.nu, state.comm)
-        if warmup_steps == 0:
-            mu, nu, comm = compressed(*args)
-        else:
-            mu, nu, comm = typed_cond(state.count < warmup_steps, warm, compressed, *args)
 
-        lr = common.learning_rate_at(learning_rate, state.count)
-        step = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu, nu)
-        if weight_decay:
-            step = jax.tree.map(lambda s, p: s + weight_decay * p, step, params)
-        out = jax.tree.map(lambda s, g: (-lr * s).astype(g.dtype), step, updates)
+def _moments(grads, state, comm_tx, b1, b2, warmup_steps, axis_name, bucket_bytes):
+    """The new ``(mu, nu, comm)``: Adam's moments of the dense mean in warm-up, then the
+    compressed mean of the workers' momenta with ``nu`` frozen."""
 
-        # The NaN rule holds for both stages (pmean / compress), so ``ok`` is the
-        # same on every worker; state that was finite stays finite.
-        ok = common.all_finite(mu, nu)
-        return out, OnebitAdamState(
-            count=optax.safe_int32_increment(state.count),
-            mu=common.keep(ok, mu, state.mu),
-            nu=common.keep(ok, nu, state.nu),
-            comm=common.keep(ok, comm, state.comm),
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        )
+    def warm(grads, mu, nu, comm):
+        if axis_name is not None:
+            grads = buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, nu, grads)
+        return mu, nu, comm
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def compressed(grads, mu, nu, comm):
+        local = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
+        mu, comm = comm_tx.update(local, comm)
+        return mu, nu, comm
+
+    args = (grads, state.mu, state.nu, state.comm)
+    if warmup_steps == 0:
+        return compressed(*args)
+    return typed_cond(state.count < warmup_steps, warm, compressed, *args)
