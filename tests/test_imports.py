@@ -190,7 +190,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/compressors/selection.py:strided_best",
     "jaxcomm/core.py:compress",
     "jaxcomm/flax.py:data_parallel",
-    "jaxcomm/optim/demo.py:demo",
     "jaxcomm/optim/zero_one_adam.py:zero_one_adam",
     "jaxcomm/optim/zero_one_adam.py:update_fn",
     "jaxcomm/parallel/step.py:data_parallel",

@@ -4,6 +4,14 @@ Each worker keeps its own momentum; only the fast-moving part of it (the
 largest DCT coefficients of each chunk) is sent, and what is sent is
 subtracted from the momentum, which thus doubles as the error-feedback
 residual. The update is the sign of the decoded worker mean.
+
+Chunks: the leaf is seen as 2-D (0-D as 1×1, 1-D as 1×size, n-D as
+``prod(shape[:-1])×shape[-1]``, where the reference supports 1-D and 2-D
+only); each dimension is cut into chunks of its largest divisor ``<=
+compression_chunk`` (as the reference does; a prime dimension gets chunks of
+1), and ``k = min(compression_topk, chunk entries)`` (the reference's clamp: a
+chunk smaller than ``k`` is sent whole). Indices travel as uint8, uint16 or
+int32 by the chunk's entries (the reference sends int64).
 """
 
 import math
@@ -155,53 +163,39 @@ def demo(
     this worker's gradient and ``Δ`` its momentum (bloc97/DeMo's ``DeMo``):
 
     * ``Δ ← β·Δ + lr·g`` (``β = compression_decay``);
-    * cut ``Δ`` into chunks, take each chunk's orthonormal 2-D DCT-II, keep
-      the ``k`` coefficients of largest magnitude (values and indices);
-      ``q`` = inverse DCT of those alone; ``Δ ← Δ - q`` (the rest stays in
-      the momentum: error feedback);
+    * cut ``Δ`` into chunks (see :mod:`jaxcomm.optim.demo`), take each
+      chunk's orthonormal 2-D DCT-II, keep the ``k`` coefficients of largest
+      magnitude (values and indices); ``q`` = inverse DCT of those alone;
+      ``Δ ← Δ - q`` (the rest stays in the momentum: error feedback);
     * all-gather values and indices over ``axis_name``; each coefficient is
       the mean of the values the workers that kept it sent (the reference's
       scatter mean, not the sum over n); ``t`` = inverse DCT of that;
     * update ``-lr·sign(t) - lr·wd·p`` (sign SGD; decoupled weight decay).
 
-    Chunks: the leaf is seen as 2-D (0-D as 1×1, 1-D as 1×size, n-D as
-    ``prod(shape[:-1])×shape[-1]``, where the reference supports 1-D and
-    2-D only); each dimension is cut into chunks of its largest divisor
-    ``<= compression_chunk`` (as the reference does; a prime dimension gets
-    chunks of 1), and ``k = min(compression_topk, chunk entries)`` (the
-    reference's clamp: a chunk smaller than ``k`` is sent whole).
-
     Wire, per worker and step: for every chunk ``k`` values in the
     gradient's dtype plus ``k`` indices (uint8 for chunks of <= 256 entries,
-    uint16 for <= 65536, else int32; the reference sends int64), two
-    all-gathers per leaf. With the defaults a 64×64 chunk sends 32·(4 + 2)
-    bytes for its 4096 float32 entries.
+    uint16 for <= 65536, else int32), two all-gathers per leaf. With the
+    defaults a 64×64 chunk sends 32·(4 + 2) bytes for its 4096 float32 entries.
 
-    The update is identical on every worker (it is decoded from the gathered
-    payloads); ``delta`` is per worker. Under ``shard_map`` the state needs
-    ``P("data")``; with a schedule the update is also typed per worker (the
-    step count is per-worker state), so give it ``out_specs=P("data")`` too
-    (or use ``pmap``). A NaN/Inf gradient on any worker
-    makes every worker's update NaN (the decision is taken on the gathered
-    coefficients) and leaves every worker's ``delta`` unchanged
+    The update is identical on every worker and already a step (chain no
+    optimizer after it); ``delta`` is per worker: under ``shard_map`` give the
+    state ``P("data")``, and with a schedule the update too (the step count is
+    per-worker state; or use ``pmap``). A NaN/Inf gradient on any worker makes
+    every worker's update NaN and leaves every worker's ``delta`` unchanged
     (``state.nonfinite`` counts such steps). Integer or bool leaves raise
     ``TypeError`` at ``init``: filter them out first (``optax.partition``).
-    The update is already a step: do not chain another optimizer after it.
 
     Args:
       learning_rate: a float or an optax schedule of the step count; it
         scales both the gradient added to the momentum and the sign step.
       compression_decay: momentum decay ``β``, a float in [0, 1).
-      compression_topk: coefficients kept per chunk, an int in
-        ``[1, compression_chunk²]``.
+      compression_topk: coefficients kept per chunk, an int in ``[1, compression_chunk²]``.
       compression_chunk: target chunk side, an int >= 1.
       weight_decay: decoupled weight decay (float >= 0), needs ``params``.
-      axis_name: mesh axis to average over; ``None``: one worker (the
-        compression still applies, locally).
+      axis_name: mesh axis to average over; ``None``: one worker (compressed locally).
 
     Returns:
-      An ``optax.GradientTransformation`` (an optimizer: it returns the
-      parameter updates) with :class:`DeMoState`.
+      An optimizer (``optax.GradientTransformation`` of parameter updates), :class:`DeMoState`.
 
     Example:
       >>> tx = jaxcomm.demo(1e-3, compression_topk=32, axis_name="data")
@@ -216,33 +210,7 @@ def demo(
     axis_name = collectives.check_axis_name(axis_name)
 
     def init_fn(params):
-        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        delta = jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p))),
-            params,
-        )
-        return DeMoState(jnp.zeros((), jnp.int32), delta, jnp.zeros((), jnp.int32))
-
-    def compress(g, delta, lr):
-        """One leaf: the new momentum, and the payload (values, indices) to send."""
-        lay = layout(jnp.shape(g), chunk, topk)
-        delta = decay * delta + lr.astype(delta.dtype) * g.astype(delta.dtype)
-        coeffs = encode(delta, lay)
-        _, idx = jax.lax.top_k(jnp.abs(coeffs), lay.k)
-        vals = jnp.take_along_axis(coeffs, idx, axis=1).astype(g.dtype)
-        idx = idx.astype(index_dtype(lay.entries))
-        sent = scatter_mean(vals[None], idx[None], lay, delta.dtype)
-        return delta - decode(sent, lay, delta.shape), (vals, idx)
-
-    def transmitted(payload, g, delta):
-        """One leaf: the decoded mean of every worker's payload (float, the leaf's shape)."""
-        lay = layout(jnp.shape(g), chunk, topk)
-        vals, idx = payload
-        if axis_name is None:
-            vals, idx = vals[None], idx[None]
-        else:
-            vals, idx = collectives.all_gather((vals, idx), axis_name)
-        return decode(scatter_mean(vals, idx, lay, delta.dtype), lay, delta.shape)
+        return _init(params)
 
     def update_fn(updates, state, params=None):
         checks.check_state(state, DeMoState, "demo")
@@ -254,25 +222,73 @@ def demo(
         collectives.check_per_worker(updates, axis_name)
         lr = jnp.asarray(common.learning_rate_at(learning_rate, state.count), jnp.float32)
         grads, treedef = jax.tree.flatten(updates)
-        pairs = [compress(g, d, lr) for g, d in zip(grads, treedef.flatten_up_to(state.delta))]
-        delta = [d for d, _ in pairs]
-        t = [transmitted(pay, g, d) for (d, pay), g in zip(pairs, grads)]
+        deltas = treedef.flatten_up_to(state.delta)
+        delta, t = _exchange(grads, deltas, lr, (decay, chunk, topk), axis_name)
         delta, t = treedef.unflatten(delta), treedef.unflatten(t)
-        step = jax.tree.map(jnp.sign, t)
-        if weight_decay:
-            step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(s.dtype), step, params)
-        # t is decoded from the gathered payloads: ``ok`` is the same on every worker, and
-        # a NaN/Inf there (sign would turn an Inf into ±1) makes every update NaN.
-        ok = common.all_finite(t) if grads else jnp.asarray(True)
-        out = jax.tree.map(
-            lambda s, g: jnp.where(ok, -lr.astype(s.dtype) * s, jnp.nan).astype(g.dtype),
-            step,
-            updates,
-        )
-        return out, DeMoState(
-            count=optax.safe_int32_increment(state.count),
-            delta=common.keep(ok, delta, state.delta),
-            nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
-        )
+        return _sign_step(t, delta, state, lr, weight_decay, updates, params, bool(grads))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _init(params) -> DeMoState:
+    """:func:`demo`'s initial state: a zero momentum per leaf (floating params only)."""
+    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+    delta = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p))),
+        params,
+    )
+    return DeMoState(jnp.zeros((), jnp.int32), delta, jnp.zeros((), jnp.int32))
+
+
+def _exchange(grads, deltas, lr, codec, axis_name):
+    """Every leaf's new momentum and decoded worker mean ``t`` (lists in the leaves' order);
+    ``codec = (decay, chunk, topk)``."""
+    decay, chunk, topk = codec
+    pairs = [_compress_leaf(g, d, lr, decay, chunk, topk) for g, d in zip(grads, deltas)]
+    delta = [d for d, _ in pairs]
+    t = [_transmitted(pay, g, d, chunk, topk, axis_name) for (d, pay), g in zip(pairs, grads)]
+    return delta, t
+
+
+def _compress_leaf(g, delta, lr, decay, chunk, topk):
+    """One leaf: the new momentum, and the payload (values, indices) to send."""
+    lay = layout(jnp.shape(g), chunk, topk)
+    delta = decay * delta + lr.astype(delta.dtype) * g.astype(delta.dtype)
+    coeffs = encode(delta, lay)
+    _, idx = jax.lax.top_k(jnp.abs(coeffs), lay.k)
+    vals = jnp.take_along_axis(coeffs, idx, axis=1).astype(g.dtype)
+    idx = idx.astype(index_dtype(lay.entries))
+    sent = scatter_mean(vals[None], idx[None], lay, delta.dtype)
+    return delta - decode(sent, lay, delta.shape), (vals, idx)
+
+
+def _transmitted(payload, g, delta, chunk, topk, axis_name):
+    """One leaf: the decoded mean of every worker's payload (float, the leaf's shape)."""
+    lay = layout(jnp.shape(g), chunk, topk)
+    vals, idx = payload
+    if axis_name is None:
+        vals, idx = vals[None], idx[None]
+    else:
+        vals, idx = collectives.all_gather((vals, idx), axis_name)
+    return decode(scatter_mean(vals, idx, lay, delta.dtype), lay, delta.shape)
+
+
+def _sign_step(t, delta, state, lr, weight_decay, updates, params, any_leaves: bool):
+    """The update ``-lr·sign(t) - lr·wd·p`` (NaN on every worker where ``t`` is not finite)
+    and the next :class:`DeMoState`."""
+    step = jax.tree.map(jnp.sign, t)
+    if weight_decay:
+        step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(s.dtype), step, params)
+    # t is decoded from the gathered payloads: ``ok`` is the same on every worker, and
+    # a NaN/Inf there (sign would turn an Inf into ±1) makes every update NaN.
+    ok = common.all_finite(t) if any_leaves else jnp.asarray(True)
+    out = jax.tree.map(
+        lambda s, g: jnp.where(ok, -lr.astype(s.dtype) * s, jnp.nan).astype(g.dtype),
+        step,
+        updates,
+    )
+    return out, DeMoState(
+        count=optax.safe_int32_increment(state.count),
+        delta=common.keep(ok, delta, state.delta),
+        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+    )
