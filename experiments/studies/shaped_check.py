@@ -122,6 +122,9 @@ def main(argv: list[str]) -> None:
             print(report(json.load(f)))
         return
     seeds = [int(s) for s in FLAGS.seeds]
+    if len(set(seeds)) < verdict.MIN_SEEDS:  # the rows' rules need them: refuse before running
+        need = verdict.MIN_SEEDS
+        raise ValueError(f"--seeds: {len(set(seeds))} given; the check needs >= {need}")
     results = {"note": __doc__.split("\n\n", 2)[2].strip(), "rate": FLAGS.rate,
                "steps": FLAGS.steps, "seeds": seeds, "runs": []}  # fmt: skip
     for method in FLAGS.methods:
