@@ -10,6 +10,63 @@
 :func:`compress` builds that path as an ``optax.GradientTransformation`` for
 any object following the :class:`Compressor` protocol. The named methods
 (:func:`jaxcomm.topk`, :func:`jaxcomm.cast`, ...) are thin factories over it.
+
+Small leaves: leaves under ``min_size`` entries go dense (a plain mean in
+their own dtype, no residual). They ride in the payload's collective (one
+collective per bucket) unless gathering them costs more bytes than a
+collective's latency (:func:`jaxcomm.strategies.dense_rides`).
+
+Tensor fusion (``bucket_bytes``, see :mod:`jaxcomm.buckets`): the payloads of
+all leaves that go through the same collective are packed into flat buffers
+of at most this many bytes, filled from the last leaf to the first (backprop
+order), and each buffer is exchanged with one collective: psum buckets per
+dtype, all-gather buckets as raw bytes. ``"auto"``: 25 MiB (PyTorch DDP's) on
+GPU/TPU; on CPU 1 MiB for the sums, 25 MiB for the gathers
+(:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one
+collective per payload array. Results are bit-identical either way.
+
+Residual dtype (``state_dtype``, :func:`resolve_state_dtype`): a bf16
+residual rounds ``e + g`` to a bf16 neighbour of ``e`` when ``g`` is small
+next to it, so the mass of small gradients beside large ones is lost or
+inflated. With a float32 residual (the default for bf16/fp16 leaves),
+``g + e`` is formed in float32, rounded to the gradient's dtype only to be
+encoded, and the residual keeps what was not sent, rounding included.
+
+Exchanges (``exchange``) for all-gathered payloads (``kind="all_gather"``):
+``"gather"``: every worker receives every payload, ``(n-1)·s`` bytes, and
+decodes n of them. ``"two_phase"``: compressed chunks are reduce-scattered
+with an all-to-all, each chunk averaged once, re-compressed with a server
+residual (error feedback on both sides) and all-gathered, ``2(n-1)/n·s`` per
+worker (:func:`jaxcomm.exchange.two_phase`; with error feedback the state
+holds a second residual, ``state.server``). ``"auto"``: decided when the
+update is traced and the axis size n is known, the one that moves fewer
+bytes per worker for this codec, tree and n
+(:meth:`jaxcomm.strategies.Auto.choose`,
+:func:`jaxcomm.strategies.exchange_traffic`); ``"gather"`` on a tie (every
+n <= 2) and for codecs without ``auto_two_phase`` (sparse ones), the one
+all-reduce for summed payloads. Two-phase encodes and decodes twice: where
+compute, not the link, bounds the step (a fast link, workers sharing cores)
+force ``"gather"``. ``"reduce_scatter"``: phase one only, for sharded
+(ZeRO/FSDP-style) training: the update of a leaf is this worker's shard of
+the worker mean along the leaf's first dimension (which must be a multiple
+of n): shape ``(shape[0] // n, *shape[1:])``, worker j's rows; error
+feedback on the sender (:func:`jaxcomm.exchange.reduce_scatter`). Each name
+is a :class:`jaxcomm.strategies.Strategy` of
+:data:`jaxcomm.strategies.STRATEGIES`; an instance of one (e.g. a new
+strategy, see that module) is taken as it is.
+
+Non-finite gradients (the NaN rule): if any compressible leaf of any
+worker's ``g + e`` holds NaN/Inf, the compressed leaves' update is NaN on
+every worker (a compressor may not send the bad entry, e.g. random-k, so
+each worker adds a flag to the exchange: 1 byte in the all-gather, or one
+entry of the payload's dtype in the psum, in the first bucket; no extra
+collective; casts and dense means carry NaN/Inf by themselves and send
+none), and every worker's residual is left unchanged for the step (casts:
+the residual of the worker whose gradient was not finite)
+(``state.nonfinite`` counts such steps): state is never poisoned. Dense
+(small) leaves are plain means, so a NaN there reaches every worker too. To
+skip such steps, wrap the chain in :func:`jaxcomm.skip_nonfinite`, which
+decides from the (agreed) update, after the exchange.
 """
 
 from typing import Any
@@ -138,101 +195,33 @@ def _new_state(step: Step, state: Any, memory: Memory, config: Config) -> Any:
     )
 
 
-def compress(
-    compressor: Compressor,
-    *,
-    axis_name: collectives.AxisName | None = None,
-    error_feedback: bool = True,
-    min_size: int = 1024,
-    key: jax.Array | None = None,
-    scope: str = "leaf",
-    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str | strategies.Strategy = "auto",
-) -> optax.GradientTransformation:
-    """The generic compressed exchange: EF memory, encode, exchange, decode.
-
-    Args:
-      compressor: a :class:`Compressor`.
-      axis_name: mesh axis to average over. ``None``: no collective, the
-        update is compressed and decompressed locally (single-worker research).
-        Set: the update must run under ``jax.shard_map``/``jax.pmap``/
-        ``jax.vmap`` binding that axis, and returns the worker mean.
-      error_feedback: keep what was not sent in a residual and add it to the
-        next gradient (Seide et al. 2014; Karimireddy et al. 2019). The
-        residual has the params' shapes and dtypes: one extra model copy.
-      min_size: leaves with fewer entries go dense (a plain mean in their own
-        dtype, no residual), as torch's PowerSGD hook does for biases. They
-        ride in the payload's collective (one collective per bucket) unless
-        gathering them costs more bytes than a collective's latency
-        (:func:`jaxcomm.strategies.dense_rides`).
-      key: PRNG key, required when ``compressor.needs_key``.
-      scope: ``"leaf"`` compresses each leaf on its own; ``"global"``
-        concatenates all compressible leaves into one vector first (e.g.
-        global top-k: the k largest entries of the whole model).
-      bucket_bytes: tensor fusion (see :mod:`jaxcomm.buckets`): the payloads
-        of all leaves that go through the same collective are packed into
-        flat buffers of at most this many bytes, filled from the last leaf
-        to the first (backprop order), and each buffer is exchanged with one
-        collective: psum buckets per dtype, all-gather buckets as raw bytes.
-        Default ``"auto"``: 25 MiB (PyTorch DDP's) on GPU/TPU; on CPU 1 MiB
-        for the sums, 25 MiB for the gathers
-        (:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one
-        collective per payload array. Results are bit-identical either way.
-      state_dtype: dtype of the residual (:func:`resolve_state_dtype`).
-        ``None``: float32 for bf16/fp16 leaves, the leaf's dtype otherwise.
-        A bf16 residual rounds ``e + g`` to a bf16 neighbour of ``e`` when
-        ``g`` is small next to it, so the mass of small gradients beside
-        large ones is lost or inflated. With a float32 residual, ``g + e``
-        is formed in float32, rounded to the gradient's dtype only to be
-        encoded, and the residual keeps what was not sent, rounding
-        included. Pass ``jnp.bfloat16`` to save the memory.
-      exchange: how all-gathered payloads (``kind="all_gather"``) travel.
-        ``"gather"``: every worker receives every payload, ``(n-1)·s`` bytes,
-        and decodes n of them. ``"two_phase"``: compressed chunks are
-        reduce-scattered with an all-to-all, each chunk averaged once,
-        re-compressed with a server residual (error feedback on both sides)
-        and all-gathered, ``2(n-1)/n·s`` per worker
-        (:func:`jaxcomm.exchange.two_phase`; with error feedback the state
-        holds a second residual, ``state.server``). ``"auto"`` (default):
-        decided when the update is traced and the axis size n is known, the
-        one that moves fewer bytes per worker for this codec, tree and n
-        (:meth:`jaxcomm.strategies.Auto.choose`,
-        :func:`jaxcomm.strategies.exchange_traffic`); ``"gather"`` on a tie
-        (every n <= 2) and for codecs without ``auto_two_phase`` (sparse
-        ones), the one all-reduce for summed payloads. Two-phase encodes and
-        decodes twice: where compute, not the link, bounds the step (a fast
-        link, workers sharing cores) force ``"gather"``.
-        ``"reduce_scatter"``: phase one only, for sharded (ZeRO/FSDP-style)
-        training: the update of a leaf is this worker's shard of the worker
-        mean along the leaf's first dimension (which must be a multiple of
-        n): shape ``(shape[0] // n, *shape[1:])``, worker j's rows; error
-        feedback on the sender (:func:`jaxcomm.exchange.reduce_scatter`).
-        Each name is a :class:`jaxcomm.strategies.Strategy` of
-        :data:`jaxcomm.strategies.STRATEGIES`; an instance of one (e.g. a new
-        strategy, see that module) is taken as it is.
-
-    Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`CompressState`. Updates come out in the dtype they came in;
-      the payload is encoded from the gradient's dtype (same bytes).
-
-    Non-finite gradients (the NaN rule): if any compressible leaf of any
-    worker's ``g + e`` holds NaN/Inf, the compressed leaves' update is NaN on
-    every worker (a compressor may not send the bad entry, e.g. random-k, so
-    each worker adds a flag to the exchange: 1 byte in the all-gather, or one
-    entry of the payload's dtype in the psum, in the first bucket; no extra
-    collective; casts and dense means carry NaN/Inf by themselves and send
-    none), and every worker's residual is left unchanged for the step (casts:
-    the residual of the worker whose gradient was not finite)
-    (``state.nonfinite`` counts such steps): state is never poisoned. Dense
-    (small) leaves are plain means, so a NaN there reaches every worker too.
-    To skip such steps, wrap the chain in :func:`jaxcomm.skip_nonfinite`,
-    which decides from the (agreed) update, after the exchange.
-
-    Integer or bool leaves raise ``TypeError``: filter them out first.
-    """
+def _configure(
+    compressor, axis_name, error_feedback, min_size, key, scope, bucket_bytes, state_dtype, exchange
+) -> tuple[Config, Any, Any]:
+    """:func:`compress`'s arguments checked: the :class:`Config`, the key's raw bits (``None``
+    for deterministic compressors) and the residual dtype."""
     axis_name = collectives.check_axis_name(axis_name)
+    _check_compress_args(compressor, min_size, scope)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    state_dtype = checks.check_state_dtype(state_dtype)
+    strategy = strategies.get(exchange)
+    strategy.check(compressor, scope=scope)
+    raw_key = key_bits(key) if compressor.needs_key else None
+    state_cls = state_class(compressor)
+    config = Config(axis_name, error_feedback, min_size, scope, bucket_bytes, strategy, state_cls)
+    return config, raw_key, state_dtype
+
+
+def _exchange_for(compressor: Compressor, step: Step, state: Any, config: Config) -> Any:
+    """The exchange this trace runs (:mod:`jaxcomm.strategies`), chosen and checked once per
+    trace; the local one without an axis."""
+    if config.axis_name is None:
+        return strategies.LOCAL
+    return config.strategy.resolve(compressor, step, state, config)
+
+
+def _check_compress_args(compressor: Any, min_size: Any, scope: Any) -> None:
+    """:func:`compress`'s checks of ``compressor``, ``min_size`` and ``scope``."""
     if not isinstance(compressor, Compressor):
         raise TypeError(
             f"compressor: expected a jaxcomm Compressor, got {type(compressor).__name__}; "
@@ -247,39 +236,101 @@ def compress(
         raise ValueError(
             f"compressor.kind: expected 'psum' or 'all_gather', got {compressor.kind!r}"
         )
-    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    state_dtype = checks.check_state_dtype(state_dtype)
-    strategy = strategies.get(exchange)
-    strategy.check(compressor, scope=scope)
-    raw_key = key_bits(key) if compressor.needs_key else None
-    state_cls = state_class(compressor)
-    config = Config(axis_name, error_feedback, min_size, scope, bucket_bytes, strategy, state_cls)
+
+
+def _init_state(compressor: Compressor, params: Any, raw_key: Any, state_dtype: Any, config):
+    """:func:`compress`'s initial state: zero counters and residuals (floating params only);
+    a server residual where the strategy keeps one."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    check_float_leaves(leaves, "params")
+    error_feedback, axis_name, strategy = config.error_feedback, config.axis_name, config.strategy
+    server = (
+        error_feedback
+        and axis_name is not None
+        and strategy.needs_server(compressor, [x for _, x in leaves], config)
+    )
+    residual = (
+        jax.tree.map(
+            lambda p: jnp.zeros(jnp.shape(p), resolve_state_dtype(jnp.result_type(p), state_dtype)),
+            params,
+        )
+        if error_feedback
+        else None
+    )
+    return config.state_cls(
+        count=jnp.zeros((), jnp.int32),
+        key=raw_key,
+        residual=residual,
+        nonfinite=jnp.zeros((), jnp.int32),
+        server=residual if server else None,
+    )
+
+
+def compress(
+    compressor: Compressor,
+    *,
+    axis_name: collectives.AxisName | None = None,
+    error_feedback: bool = True,
+    min_size: int = 1024,
+    key: jax.Array | None = None,
+    scope: str = "leaf",
+    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
+    state_dtype: Any = None,
+    exchange: str | strategies.Strategy = "auto",
+) -> optax.GradientTransformation:
+    """The generic compressed exchange: EF memory, encode, exchange, decode.
+
+    Each worker adds its residual to the gradient (``p = g + e``), encodes
+    ``p``, exchanges the payloads over ``axis_name`` and returns the mean of
+    the decoded payloads; the residual keeps ``e = p - decode(own payload)``.
+    Bytes: the codec's payload (``compressor.wire_size``) through the
+    exchange. Small leaves, tensor fusion, the residual's dtype, the
+    exchanges and the NaN rule in detail: :mod:`jaxcomm.core`.
+
+    Args:
+      compressor: a :class:`Compressor`.
+      axis_name: mesh axis to average over. ``None``: no collective, the
+        update is compressed and decompressed locally (single-worker research).
+        Set: the update must run under ``jax.shard_map``/``jax.pmap``/
+        ``jax.vmap`` binding that axis, and returns the worker mean.
+      error_feedback: keep what was not sent in a residual and add it to the
+        next gradient (Seide et al. 2014; Karimireddy et al. 2019). The
+        residual has the params' shapes and dtypes: one extra model copy.
+      min_size: leaves with fewer entries go dense (a plain mean in their own
+        dtype, no residual), as torch's PowerSGD hook does for biases.
+      key: PRNG key, required when ``compressor.needs_key``.
+      scope: ``"leaf"`` compresses each leaf on its own; ``"global"``
+        concatenates all compressible leaves into one vector first (e.g.
+        global top-k: the k largest entries of the whole model).
+      bucket_bytes: tensor fusion: payloads packed into buffers of at most
+        this many bytes, one collective each. Default ``"auto"`` (25 MiB on
+        GPU/TPU; on CPU 1 MiB for sums, 25 MiB for gathers); ``None`` or 0:
+        one collective per payload array. Results are bit-identical either way.
+      state_dtype: dtype of the residual. ``None``: float32 for bf16/fp16
+        leaves, the leaf's dtype otherwise; ``jnp.bfloat16`` saves the
+        memory but loses or inflates small gradients beside large ones.
+      exchange: how all-gathered payloads travel: ``"gather"`` (``(n-1)·s``
+        bytes), ``"two_phase"`` (``2(n-1)/n·s``, a server residual in
+        ``state.server``), ``"reduce_scatter"`` (phase one only: this worker's
+        shard of the mean along each leaf's first dimension, for ZeRO/FSDP),
+        ``"auto"`` (default: the fewer bytes for this codec, tree and n, when
+        traced), or a :class:`jaxcomm.strategies.Strategy` instance.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`CompressState`. Updates come out in the dtype they came in;
+      the payload is encoded from the gradient's dtype (same bytes).
+
+    A NaN/Inf in any worker's ``g + e`` makes the update NaN on every worker
+    and leaves the residuals unchanged (``state.nonfinite`` counts such
+    steps); wrap the chain in :func:`jaxcomm.skip_nonfinite` to skip them.
+    Integer or bool leaves raise ``TypeError``: filter them out first.
+    """
+    options = (error_feedback, min_size, key, scope, bucket_bytes, state_dtype, exchange)
+    config, raw_key, state_dtype = _configure(compressor, axis_name, *options)
 
     def init_fn(params):
-        leaves = jax.tree_util.tree_leaves_with_path(params)
-        check_float_leaves(leaves, "params")
-        server = (
-            error_feedback
-            and axis_name is not None
-            and strategy.needs_server(compressor, [x for _, x in leaves], config)
-        )
-        residual = (
-            jax.tree.map(
-                lambda p: jnp.zeros(
-                    jnp.shape(p), resolve_state_dtype(jnp.result_type(p), state_dtype)
-                ),
-                params,
-            )
-            if error_feedback
-            else None
-        )
-        return state_cls(
-            count=jnp.zeros((), jnp.int32),
-            key=raw_key,
-            residual=residual,
-            nonfinite=jnp.zeros((), jnp.int32),
-            server=residual if server else None,
-        )
+        return _init_state(compressor, params, raw_key, state_dtype, config)
 
     def update_fn(updates, state, params=None):
         del params
@@ -287,11 +338,7 @@ def compress(
         step = _step_key(compressor, step, state, config)
         step = _add_memory(step, config)
         step = _group(step, config)
-        # the exchange this trace runs (jaxcomm.strategies), chosen and checked once per trace
-        if config.axis_name is None:
-            chosen = strategies.LOCAL
-        else:
-            chosen = config.strategy.resolve(compressor, step, state, config)
+        chosen = _exchange_for(compressor, step, state, config)
         outputs, memory = chosen.run(compressor, step, state, config)
         return step.treedef.unflatten(outputs), _new_state(step, state, memory, config)
 
