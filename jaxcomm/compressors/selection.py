@@ -96,42 +96,76 @@ def strided_best(a: jax.Array, m: int, *, second: bool = False):
     """Flat index of the largest entry of each residue class ``j (mod m)`` of ``a``.
 
     ``a`` is non-negative float32 of shape ``(d,)``, ``m <= d``. Block ``j``
-    holds the entries ``j, j+m, j+2m, ...``: the first ``(d // m)·m`` entries
-    viewed as a ``(d // m, m)`` array are reduced over axis 0 (folds of 8
-    slices of contiguous rows, which vectorise and read ``a`` once), the last
-    ``d mod m`` entries join blocks ``0..d mod m - 1``.
+    holds the entries ``j, j+m, j+2m, ...``. Exact up to a relative
+    ``2^(R-23)`` of the block maximum, ``R`` the bits of the row count
+    ``ceil(d / m)`` (ties, and values equal in all but the low R mantissa
+    bits, go to the first row); the value later sent is read from the
+    gradient itself, so it is exact. A NaN or Inf entry wins its block;
+    zeros and subnormals keep their rows.
 
-    Non-negative floats order like their bit patterns, so the low ``R`` bits
-    of each uint32 pattern (``R`` = bits of the row count) are replaced by
-    ``2^R-1-row`` and an integer max returns the largest value *and*, in
-    its low bits, its row (ties, and values equal in all but the low R
-    mantissa bits, go to the first row): exact up to a relative ``2^(R-23)``
-    of the block maximum; the value later sent is read from the gradient
-    itself, so it is exact. (On XLA:CPU a variadic argmax reduction is much
-    slower than a plain max, and an integer max is cheaper than a float max,
-    which propagates NaN.) NaN and Inf patterns lie above every finite one,
-    so a non-finite entry wins its block; zeros and subnormals keep their
-    rows (integers are not flushed).
-
-    With ``second=True`` the fold also carries each block's runner-up key
-    (``lo ← max(min(hi_a, hi_b), lo_a, lo_b)``) and returns ``(best, runner_up,
-    has_runner_up)``; a block of one entry has no runner-up.
+    With ``second=True`` it also returns each block's runner-up and whether
+    there is one, ``(best, runner_up, has_runner_up)``; a block of one entry
+    has no runner-up.
     """
+    # The first (d // m)·m entries viewed as a (d // m, m) array are reduced over axis 0
+    # (folds of _FOLD slices of contiguous rows, which vectorise and read `a` once, see
+    # _fold_level); the last d mod m entries join blocks 0..d mod m - 1. The reduction is
+    # an integer max of keys (_keys) that hold each entry's row in their low bits.
     d = a.shape[0]
     rows = d // m
     rem = d - rows * m
     n_rows = rows + (1 if rem else 0)
     bits = max(1, n_rows.bit_length())  # row ids 0..n_rows-1 and an unused all-ones
     low = jnp.uint32((1 << bits) - 1)
+    none = jnp.uint32(0)  # below every key: a key holds low - row > 0 in its low bits
 
-    def keys(x, row0):
-        # uint32 keys: non-negative floats order like their bit patterns, NaN and Inf
-        # above every finite value; an integer max is one instruction (a float max
-        # propagates NaN: several), and subnormals are not flushed
-        pattern = lax.bitcast_convert_type(x, jnp.uint32)
-        r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
-        return (pattern & ~low) | (low - r)
+    best, lo = _keys(a[: rows * m].reshape(rows, m), 0, low), None
+    while best.shape[0] > 1:
+        best, lo = _fold_level(best, lo, second)
+    if second and lo is None:  # one row: no runner-up
+        lo = jnp.full_like(best, none)
+    best = best[0]
+    if second:
+        lo = lo[0]
+    if rem:
+        tail = _keys(a[rows * m :].reshape(1, rem), rows, low)[0]
+        head = best[:rem]
+        best = jnp.concatenate([jnp.maximum(head, tail), best[rem:]])
+        if second:
+            lo = jnp.concatenate([jnp.maximum(lo[:rem], jnp.minimum(head, tail)), lo[rem:]])
+    if not second:
+        return _rows_of(best, low, m, d)
+    return _rows_of(best, low, m, d), _rows_of(lo, low, m, d), lo > none
 
+
+def _keys(x: jax.Array, row0: int, low: jax.Array) -> jax.Array:
+    """uint32 keys of the entries of ``x``, rows numbered from ``row0``: the value's bit
+    pattern with its low bits replaced by ``low - row`` (see :func:`strided_best`)."""
+    # Non-negative floats order like their bit patterns, so the low R bits of each uint32
+    # pattern are replaced by 2^R-1-row and an integer max returns the largest value *and*,
+    # in its low bits, its row. NaN and Inf patterns lie above every finite one. On
+    # XLA:CPU a variadic argmax reduction is much slower than a plain max, and an integer
+    # max is one instruction (a float max propagates NaN: several); zeros and subnormals
+    # keep their rows (integers are not flushed).
+    pattern = lax.bitcast_convert_type(x, jnp.uint32)
+    r = (row0 + jnp.arange(x.shape[0], dtype=jnp.uint32))[:, None]
+    return (pattern & ~low) | (low - r)
+
+
+def _combine(x, y, second: bool):
+    """The elementwise best (and, with ``second``, runner-up) of two ``(hi, lo)`` key pairs:
+    ``lo ← max(min(hi_a, hi_b), lo_a, lo_b)``."""
+    (h1, l1), (h2, l2) = x, y
+    if not second:
+        return jnp.maximum(h1, h2), None
+    lo = jnp.minimum(h1, h2)
+    for extra in (l1, l2):
+        lo = lo if extra is None else jnp.maximum(lo, extra)
+    return jnp.maximum(h1, h2), lo
+
+
+def _fold_level(best: jax.Array, lo: jax.Array | None, second: bool):
+    """One level of :func:`strided_best`'s fold: ``r`` rows of keys to ``ceil(r/_FOLD)``."""
     # Fold the rows _FOLD ways at a time (the elementwise max of _FOLD slices of
     # ceil(r/_FOLD) contiguous rows), log_FOLD(rows) times: every level reads its
     # input once, is elementwise over contiguous rows and fuses with the key
@@ -142,65 +176,41 @@ def strided_best(a: jax.Array, m: int, *, second: bool = False):
     # python -m experiments.bench.floor). The last slice starts at r - c so that
     # every slice has c rows; its rows that an earlier slice holds too are masked
     # out for the runner-up (harmless for the maximum).
-    none = jnp.uint32(0)  # below every key: a key holds low - row > 0 in its low bits
-
-    def combine(x, y):
-        (h1, l1), (h2, l2) = x, y
-        if not second:
-            return jnp.maximum(h1, h2), None
-        lo = jnp.minimum(h1, h2)
-        for extra in (l1, l2):
-            lo = lo if extra is None else jnp.maximum(lo, extra)
-        return jnp.maximum(h1, h2), lo
-
-    best, lo = keys(a[: rows * m].reshape(rows, m), 0), None
-    while best.shape[0] > 1:
-        r = best.shape[0]
-        f = min(_FOLD, r)
-        c = -(-r // f)
-        parts = []
-        for i in range(f):
-            start = min(i * c, r - c)
-            h = best[start : start + c]
-            low_part = None if lo is None else lo[start : start + c]
-            if second and i * c > start:  # leading rows an earlier slice holds
-                seen = (jnp.arange(c) < i * c - start)[:, None]
-                h = jnp.where(seen, none, h)
-                low_part = None if low_part is None else jnp.where(seen, none, low_part)
-            parts.append((h, low_part))
-        while len(parts) > 1:
-            paired = [combine(x, y) for x, y in zip(parts[::2], parts[1::2])]
-            parts = paired + parts[len(parts) - len(parts) % 2 :]
-        best, lo = parts[0]
-        if second:
-            # Both keys travel to the next level as the bits of one complex64 array
-            # behind a barrier (moved, not computed on: nothing is flushed): as two
-            # arrays XLA:CPU computed each level's input twice, stacked it was slower.
-            f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
-            u32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint32)
-            z = lax.optimization_barrier(lax.complex(f32(best), f32(lo)))
-            best, lo = u32(jnp.real(z)), u32(jnp.imag(z))
-    if second and lo is None:  # one row: no runner-up
-        lo = jnp.full_like(best, none)
-    best = best[0]
+    none = jnp.uint32(0)
+    r = best.shape[0]
+    f = min(_FOLD, r)
+    c = -(-r // f)
+    parts = []
+    for i in range(f):
+        start = min(i * c, r - c)
+        h = best[start : start + c]
+        low_part = None if lo is None else lo[start : start + c]
+        if second and i * c > start:  # leading rows an earlier slice holds
+            seen = (jnp.arange(c) < i * c - start)[:, None]
+            h = jnp.where(seen, none, h)
+            low_part = None if low_part is None else jnp.where(seen, none, low_part)
+        parts.append((h, low_part))
+    while len(parts) > 1:
+        paired = [_combine(x, y, second) for x, y in zip(parts[::2], parts[1::2])]
+        parts = paired + parts[len(parts) - len(parts) % 2 :]
+    best, lo = parts[0]
     if second:
-        lo = lo[0]
-    if rem:
-        tail = keys(a[rows * m :].reshape(1, rem), rows)[0]
-        head = best[:rem]
-        best = jnp.concatenate([jnp.maximum(head, tail), best[rem:]])
-        if second:
-            lo = jnp.concatenate([jnp.maximum(lo[:rem], jnp.minimum(head, tail)), lo[rem:]])
+        # Both keys travel to the next level as the bits of one complex64 array
+        # behind a barrier (moved, not computed on: nothing is flushed): as two
+        # arrays XLA:CPU computed each level's input twice, stacked it was slower.
+        f32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float32)
+        u32 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.uint32)
+        z = lax.optimization_barrier(lax.complex(f32(best), f32(lo)))
+        best, lo = u32(jnp.real(z)), u32(jnp.imag(z))
+    return best, lo
 
-    def rows_of(k):
-        row = low - (k & low)
-        row = row.astype(jnp.int32)
-        idx = row * m + jnp.arange(m, dtype=jnp.int32)
-        return jnp.where(idx < d, idx, idx - m)
 
-    if not second:
-        return rows_of(best)
-    return rows_of(best), rows_of(lo), lo > none
+def _rows_of(k: jax.Array, low: jax.Array, m: int, d: int) -> jax.Array:
+    """The flat indices the keys ``k`` (one per block of ``m``) point at."""
+    row = low - (k & low)
+    row = row.astype(jnp.int32)
+    idx = row * m + jnp.arange(m, dtype=jnp.int32)
+    return jnp.where(idx < d, idx, idx - m)
 
 
 # Rows :func:`strided_best` folds into one per level.
