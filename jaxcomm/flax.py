@@ -160,21 +160,18 @@ def data_parallel(
 
     Args:
       fn: ``fn(model, optimizer, metrics, batch, rngs) -> aux`` (any order), one
-        worker's step as written for ``nnx.jit``; it updates its nnx arguments
-        in place. Call as ``data_parallel(fn, mesh)`` or decorate with
-        ``@data_parallel(mesh)``.
+        worker's step as written for ``nnx.jit``, updating its nnx arguments in
+        place. Call as ``data_parallel(fn, mesh)`` or decorate: ``@data_parallel(mesh)``.
       mesh: the device mesh. With Explicit axes, call the step (and the eager
         code after it) under ``jax.set_mesh(mesh)``.
       axis_name: the mesh axis of the workers.
       batch_argnums: the arguments split over workers, by position or name;
-        ``None`` (default): the arguments that are not nnx objects and whose
-        arrays share a leading batch axis (an error if that is ambiguous).
-        An nnx object is never the batch.
+        ``None`` (default): those that are not nnx objects (never the batch)
+        and whose arrays share a leading batch axis (an error if ambiguous).
       batch_stats: ``"mean"`` (default) averages ``nnx.BatchStat`` over
         workers after each step; ``"per_worker"`` keeps them per worker
         (lay them out with :func:`init_per_worker`).
-      fold_keys: fold the keys of ``nnx.Rngs`` (and any PRNG key argument)
-        with the worker index inside the step.
+      fold_keys: fold the keys of ``nnx.Rngs`` (and any PRNG key argument) with the worker index.
       check_replicas: a debug mode: compare the device copies of every
         replicated Variable after each step (see :func:`jaxcomm.data_parallel`).
 
@@ -203,68 +200,22 @@ def data_parallel(
     n = parallel.axis_size(mesh, axis_name)
     compiled: dict[Any, Callable] = {}
 
-    def nnx_batch(names, args, pos):
-        for b in batch_argnums or ():
-            i = names.index(b) if isinstance(b, str) and b in names else b
-            if isinstance(i, int) and -len(args) <= i < len(args) and i % len(args) in pos:
-                raise ValueError(
-                    f"batch_argnums: {names[i]!r} is an nnx.{type(args[i]).__name__}, which is "
-                    "state, not the batch; name the argument that holds the data"
-                )
-
-    def check_layout(nodes, ids, stat_ids):
-        found = _variables(nodes, nnx.Variable)
-        for i in sorted(ids | stat_ids, key=lambda i: found[i][0]):
-            path, var = found[i]
-            if not jax.tree.leaves(var.get_value()):  # e.g. optax.masked's MaskedNode
-                continue
-            shape = jnp.shape(var.get_value())
-            if not var.get_metadata().get(_TAG) or not shape or shape[0] != n:
-                owner = path.lstrip(".").split(".")[0].split("[")[0]
-                fix = "init_optimizer(optimizer" if i in ids else f"init_per_worker({owner}"
-                raise ValueError(
-                    f"{path.lstrip('.')}: per-worker state needs a leading worker axis of size "
-                    f"{n}; got shape {shape}. Call jaxcomm.flax.{fix}, mesh) once after "
-                    "building it"
-                )
-
     def step(*args):
         _mesh_context(mesh)
         names = parallel.param_names(fn, len(args))
         pos = [i for i, a in enumerate(args) if graph.is_graph_node(a)]
-        nnx_batch(names, args, pos)
+        _check_nnx_batch(batch_argnums, names, args, pos)
         nodes = {names[i]: args[i] for i in pos}
         ids = _worker_variables(nodes)
         stats = _variables(nodes, nnx.BatchStat) if batch_stats == "per_worker" else {}
-        check_layout(nodes, ids, set(stats))
+        _check_layout(nodes, ids, set(stats), n)
         graphdef, state = nnx.split(nodes)
-        flags = jax.tree.map(lambda v: jax.tree.map(lambda _: id(v) in ids | set(stats), v),
-                             state, is_leaf=_is_var)  # fmt: skip
-        paths = {p for p, f in jax.tree_util.tree_leaves_with_path(flags) if f}
-        structure = jax.tree.structure(state)
-
-        def mask(tree):
-            if jax.tree.structure(tree) != structure:
-                return jax.tree.map(lambda _: False, tree)
-            return jax.tree_util.tree_map_with_path(lambda p, _: p in paths, tree)
-
+        mask = _worker_mask(state, ids, set(stats))
         rest_pos = [i for i in range(len(args)) if i not in pos]
-        batch = None
-        if batch_argnums is not None:
-            where = [names.index(b) if isinstance(b, str) else b % len(args) for b in batch_argnums]
-            batch = tuple(1 + rest_pos.index(i) for i in where)
+        batch = _batch_positions(batch_argnums, names, len(args), rest_pos)
         key = (graphdef, batch, tuple(names))
         if key not in compiled:
-
-            def pure(state, *rest):
-                objs = nnx.merge(graphdef, state)
-                before = {id(v): v.get_value() for _, v in nnx.iter_graph(objs) if _is_var(v)}
-                rest_it = iter(rest)
-                full = [objs[names[i]] if i in pos else next(rest_it) for i in range(len(args))]
-                out = fn(*full)
-                _sync(objs, before, axis_name, batch_stats)
-                return nnx.state(objs), out
-
+            pure = _pure_step(fn, graphdef, names, pos, len(args), axis_name, batch_stats)
             compiled[key] = parallel.data_parallel(
                 pure, mesh, axis_name=axis_name, batch_argnums=batch, mean_outputs=(1,),
                 worker_mask=mask, fold_keys=fold_keys, check_replicas=check_replicas,
@@ -275,3 +226,73 @@ def data_parallel(
         return out
 
     return step
+
+
+def _check_nnx_batch(batch_argnums, names, args, pos) -> None:
+    """Refuse a ``batch_argnums`` entry that names an nnx object (state, not the batch)."""
+    for b in batch_argnums or ():
+        i = names.index(b) if isinstance(b, str) and b in names else b
+        if isinstance(i, int) and -len(args) <= i < len(args) and i % len(args) in pos:
+            raise ValueError(
+                f"batch_argnums: {names[i]!r} is an nnx.{type(args[i]).__name__}, which is "
+                "state, not the batch; name the argument that holds the data"
+            )
+
+
+def _check_layout(nodes, ids, stat_ids, n: int) -> None:
+    """Refuse per-worker Variables (``ids``: optimizer state, ``stat_ids``: per-worker
+    BatchStat) without the leading worker axis of size ``n``, naming the init to call."""
+    found = _variables(nodes, nnx.Variable)
+    for i in sorted(ids | stat_ids, key=lambda i: found[i][0]):
+        path, var = found[i]
+        if not jax.tree.leaves(var.get_value()):  # e.g. optax.masked's MaskedNode
+            continue
+        shape = jnp.shape(var.get_value())
+        if not var.get_metadata().get(_TAG) or not shape or shape[0] != n:
+            owner = path.lstrip(".").split(".")[0].split("[")[0]
+            fix = "init_optimizer(optimizer" if i in ids else f"init_per_worker({owner}"
+            raise ValueError(
+                f"{path.lstrip('.')}: per-worker state needs a leading worker axis of size "
+                f"{n}; got shape {shape}. Call jaxcomm.flax.{fix}, mesh) once after "
+                "building it"
+            )
+
+
+def _worker_mask(state, ids, stat_ids) -> Callable:
+    """The ``worker_mask`` of :func:`jaxcomm.data_parallel` for the split nnx ``state``: True
+    at the leaves of the Variables in ``ids`` or ``stat_ids``, False for any other tree."""
+    flags = jax.tree.map(lambda v: jax.tree.map(lambda _: id(v) in ids | stat_ids, v),
+                         state, is_leaf=_is_var)  # fmt: skip
+    paths = {p for p, f in jax.tree_util.tree_leaves_with_path(flags) if f}
+    structure = jax.tree.structure(state)
+
+    def mask(tree):
+        if jax.tree.structure(tree) != structure:
+            return jax.tree.map(lambda _: False, tree)
+        return jax.tree_util.tree_map_with_path(lambda p, _: p in paths, tree)
+
+    return mask
+
+
+def _batch_positions(batch_argnums, names, n_args: int, rest_pos) -> tuple[int, ...] | None:
+    """``batch_argnums`` as positions among the pure step's arguments (state first)."""
+    if batch_argnums is None:
+        return None
+    where = [names.index(b) if isinstance(b, str) else b % n_args for b in batch_argnums]
+    return tuple(1 + rest_pos.index(i) for i in where)
+
+
+def _pure_step(fn, graphdef, names, pos, n_args: int, axis_name: str, batch_stats: str):
+    """``fn`` as a pure function ``(state, *rest) -> (new state, out)`` of the nnx objects'
+    state (merged into ``graphdef``) and the other arguments, metrics and BatchStat synced."""
+
+    def pure(state, *rest):
+        objs = nnx.merge(graphdef, state)
+        before = {id(v): v.get_value() for _, v in nnx.iter_graph(objs) if _is_var(v)}
+        rest_it = iter(rest)
+        full = [objs[names[i]] if i in pos else next(rest_it) for i in range(n_args)]
+        out = fn(*full)
+        _sync(objs, before, axis_name, batch_stats)
+        return nnx.state(objs), out
+
+    return pure
