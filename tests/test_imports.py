@@ -187,8 +187,6 @@ LONG_FUNCTIONS = {
     "jaxcomm/compressors/dgc/transform.py:dgc",
     "jaxcomm/compressors/dgc/transform.py:update_fn",
     "jaxcomm/compressors/powersgd.py:powersgd",
-    "jaxcomm/optim/zero_one_adam.py:zero_one_adam",
-    "jaxcomm/optim/zero_one_adam.py:update_fn",
     "jaxcomm/parallel/step.py:data_parallel",
 }
 
