@@ -80,17 +80,12 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def replica(args: argparse.Namespace) -> None:
-    """One replica: its own JAX program, meeting the others at each outer sync."""
+def _workload(args: argparse.Namespace) -> tuple:
+    """``(params, inner, inner_steps)``: the MLP, AdamW, and H jitted steps on own batches."""
     import jax
     import jax.numpy as jnp
     import optax
-    import torch
 
-    import jaxcomm
-    from jaxcomm import elastic
-
-    torch.set_num_threads(1)
     d_in, d_hidden, batch, h = 8, 32, 32, args.inner_steps
     k_teacher, k_init = jax.random.split(jax.random.key(0))
     teacher = jax.random.normal(k_teacher, (d_in,))
@@ -120,6 +115,33 @@ def replica(args: argparse.Namespace) -> None:
         (p, s), losses = jax.lax.scan(body, (p, s), jnp.arange(h))
         return p, s, losses[-1]
 
+    return params, inner, inner_steps
+
+
+def _die_in_allreduce(manager, args: argparse.Namespace) -> None:
+    """Fault injection: SIGKILL this replica on entering the outer all-reduce of round
+    ``--die_at`` or later whose quorum holds every replica (it joined, it sends nothing)."""
+    allreduce = manager.allreduce
+
+    def dying_allreduce(tensor, **kw):
+        everyone = manager.num_participants() == args.replicas  # the quorum just formed
+        if 0 <= args.die_at <= manager.current_step() and everyone:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return allreduce(tensor, **kw)
+
+    manager.allreduce = dying_allreduce
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica: its own JAX program, meeting the others at each outer sync."""
+    import torch
+
+    import jaxcomm
+    from jaxcomm import elastic
+
+    torch.set_num_threads(1)
+    h = args.inner_steps
+    params, inner, inner_steps = _workload(args)
     state = inner.init(params)
     inner_steps(params, state, 0)  # compiled before joining: a joiner is not a straggler
     manager = elastic.gloo_manager(
@@ -134,15 +156,7 @@ def replica(args: argparse.Namespace) -> None:
         mark_ready(out, args.replica)
         wait_ready(out, args.replicas)
     if args.die_at >= 0 and args.kill_in == "allreduce":
-        allreduce = manager.allreduce
-
-        def dying_allreduce(tensor, **kw):  # fault injection: joined the quorum, sends nothing
-            everyone = manager.num_participants() == args.replicas  # the quorum just formed
-            if 0 <= args.die_at <= manager.current_step() and everyone:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return allreduce(tensor, **kw)
-
-        manager.allreduce = dying_allreduce
+        _die_in_allreduce(manager, args)
     loop = jaxcomm.ElasticDiLoCo(manager, params, state, fragments=args.fragments)
     log = open(out / f"replica_{args.replica}.jsonl", "a")  # noqa: SIM115
 

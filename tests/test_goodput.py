@@ -69,7 +69,9 @@ def test_account_counts_committed_contributed_steps(tmp_path):
     # closed form: replica 0's committed rounds (3) x 10, replica 1's one before the kill
     assert out["useful_steps_by_replica"] == {0: 30, 1: 10}
     assert out["useful_steps"] == 40 and out["steps_taken"] == 54
-    assert out["wall_s"] == 20.0 and out["goodput"] == 40 / (2 * 20.0)
+    # the wall clock: from the start to the last sync (replica 1's, at 14; the finals
+    # come after the evaluation)
+    assert out["wall_s"] == 14.0 and out["goodput"] == 40 / (2 * 14.0)
     assert out["rounds_committed"] == 3 and out["rollbacks"] == 1 and out["kills"] == 1
     (heal,) = out["heals"]
     assert heal["startup_s"] == 5.0 and heal["heal_s"] == 7.0 and heal["rejoin_s"] == 2.0
@@ -122,6 +124,12 @@ def test_a_killed_replica_is_restarted_and_heals(tmp_path, side):
     assert out["useful_steps"] == sum(_closed_form(run_dir, out, 10).values())
     assert out["useful_steps"] < 3 * 400  # the victim lost steps
     assert out["goodput"] == pytest.approx(out["useful_steps"] / (3 * out["wall_s"]), rel=1e-12)
+    syncs = [x for i in range(3) for x in goodput.goodput_workload.read(run_dir, i)
+             if "committed" in x]  # fmt: skip
+    assert out["t_end"] == max(x["t"] for x in syncs)
+    # the start: every replica up (torchft: ready; jaxcomm: past its join)
+    assert all(x["t"] <= out["t_start"] for x in syncs if x["incarnation"] == 0
+               and x["steps"] == 0)  # fmt: skip
     (heal, *_) = out["heals"]
     assert heal["replica"] == victim and heal["heal_s"] is not None and heal["heal_s"] > 0
     for i in set(range(3)) - {e["replica"] for e in kills}:  # survivors: every step useful

@@ -27,7 +27,8 @@ workload (:mod:`experiments.configs.lm_shakespeare`, 2,000 inner steps a
 replica) and meet at a lighthouse this launcher holds, with the same timeouts.
 
 The failure schedule (seeded, the same for both sides): every ``--kill_every``
-seconds from the moment every replica is up, SIGKILL one replica (drawn from
+seconds from the run's start (every replica up: torchft's at the start barrier,
+jaxcomm's past its join), SIGKILL one replica (drawn from
 the seed; if it is down or still healing, the next one up), and start it again
 ``--restart_after`` seconds after the kill. No kill leaves fewer than one
 replica up, nothing is killed or restarted once a replica has finished, and a
@@ -84,6 +85,9 @@ def parse(argv=None) -> argparse.Namespace:
         default=0.0,
         help="least wall time of an inner step (a larger model's compute; 0: none)",
     )
+    p.add_argument("--torch_streaming", choices=["study", "elastic"], default="study",
+                   help="torchft's Streaming DiLoCo at the study's delay 1, mix 0.5, or as "
+                   "ElasticDiLoCo runs it (delay 0, mix 0)")  # fmt: skip
     p.add_argument("--heartbeat_timeout_ms", type=int, default=2000)
     p.add_argument("--join_timeout_ms", type=int, default=10000)
     p.add_argument("--timeout_s", type=float, default=60.0, help="all-reduce/commit/heal timeout")
@@ -104,7 +108,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 _WORKLOAD = ("steps", "model", "seq_len", "batch_size", "test_windows", "seed", "timeout_s",
-             "deadline_s", "step_s")  # fmt: skip
+             "deadline_s", "step_s", "torch_streaming")  # fmt: skip
 
 
 class Schedule:
@@ -139,18 +143,26 @@ class Schedule:
                     if v % self.n in eligible)  # fmt: skip
 
 
-def _policy(replicas: Replicas, run_dir: pathlib.Path, n: int, schedule: Schedule | None):
-    """The launcher's policy for :func:`supervise`, and the run's start time (a dict)."""
+def _policy(
+    replicas: Replicas, run_dir: pathlib.Path, n: int, schedule: Schedule | None, start: str
+):
+    """The launcher's policy for :func:`supervise`, and the run's start time (a dict).
+
+    The run starts (its wall clock and the schedule's) when every replica is
+    past ``start``: ``"ready"`` (the start barrier) or ``"joined"`` (its first sync:
+    jaxcomm's join, a sync with no inner steps, where the replicas but one take the
+    first's state and compile the outer step).
+    """
     clock = {"t_start": None}
     due: dict[int, float] = {}
     joined = lambda i: (run_dir / f"joined_{i}_{replicas.incarnation(i)}").exists()
+    marks = [run_dir / (f"ready_{i}" if start == "ready" else f"joined_{i}_0") for i in range(n)]
 
     def policy(now: float, ended: list[int]) -> None:
         if clock["t_start"] is None:
-            ready = [run_dir / f"ready_{i}" for i in range(n)]
-            if not all(p.exists() for p in ready):
+            if not all(p.exists() for p in marks):
                 return
-            clock["t_start"] = max(float(p.read_text()) for p in ready)
+            clock["t_start"] = max(float(p.read_text()) for p in marks)
         if any((run_dir / f"done_{i}").exists() for i in range(n)):  # the run is over
             due.clear()
             for i in list(replicas.procs):
@@ -198,7 +210,8 @@ def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool
                     f"--lighthouse={address}", f"--run_dir={run_dir}", *flags]  # fmt: skip
 
         replicas = Replicas(command, n, env)
-        policy, clock = _policy(replicas, run_dir, n, schedule)
+        start = "joined" if side == "jaxcomm" else "ready"  # torchft's DiLoCo has no join
+        policy, clock = _policy(replicas, run_dir, n, schedule, start)
         for i in range(n):
             replicas.start(i)
         supervise(replicas, policy, deadline_s=args.deadline_s)
@@ -209,15 +222,28 @@ def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool
         raise RuntimeError(f"{run_dir}: replicas exited on their own with errors: {crashed}")
     out = goodput_report.account(str(run_dir), n, replicas.events, clock["t_start"])
     out.update(side=side, method=method, failures=failures, codes=replicas.codes,
-               events=replicas.events)  # fmt: skip
+               settings=sync_settings(args, side, method), events=replicas.events)  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
     return out
+
+
+def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
+    """The outer loop a side runs: every (H), fragments, delay, mix, outer learning rate."""
+    if side == "torchft":
+        from experiments.bench import goodput_torch
+
+        return goodput_torch.settings(argparse.Namespace(**{**vars(args), "method": method}))
+    c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": method}))
+    every, fragments = goodput_workload.sync_period(c)
+    lr = c.wrapper.get("outer_learning_rate", 0.7)
+    return {"every": every, "fragments": fragments, "delay": 0, "mix": 0.0,
+            "outer_learning_rate": lr}  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> dict:
     c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": "diloco"}))
     keys = ("kill_every", "restart_after", "failure_seed", "max_kills", "heartbeat_timeout_ms",
-            "join_timeout_ms", "timeout_s", "seed", "step_s")  # fmt: skip
+            "join_timeout_ms", "timeout_s", "seed", "step_s", "torch_streaming")  # fmt: skip
     return {**{k: getattr(args, k) for k in keys}, "steps": c.num_train_steps,
             "model": dict(c.model.kwargs), "seq_len": c.data.seq_len,
             "batch_size": c.data.batch_size, "test_windows": c.data.test_windows,

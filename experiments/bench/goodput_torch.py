@@ -48,15 +48,25 @@ class _Recorder:
         manager.start_quorum, manager.should_commit = start_quorum, should_commit
 
 
+def settings(args) -> dict:
+    """torch_lm_ft's settings of ``args.method`` (``--torch_streaming=elastic``: no overlap)."""
+    from experiments.bench import torch_lm_ft
+
+    s = torch_lm_ft.settings("ft_" + args.method)
+    if args.torch_streaming == "elastic":  # as jaxcomm's ElasticDiLoCo runs it
+        s.update(delay=0, mix=0.0)
+    return s
+
+
 def _build(args):
     """``(config, settings, model, opt, sched, stream, starts, x_test)`` of this replica."""
     import numpy as np
     import torch
 
-    from experiments.bench import torch_lm, torch_lm_ft
+    from experiments.bench import torch_lm
 
     config = workload.config(args)
-    settings = torch_lm_ft.settings("ft_" + args.method)
+    s = settings(args)
     ds = workload.dataset(config, args.replicas)
     stream = np.asarray(ds.x_train[args.replica])
     seq, per, total = config.data.seq_len, config.data.batch_size, config.num_train_steps
@@ -64,7 +74,7 @@ def _build(args):
     torch.manual_seed(config.seed)
     model = torch_lm.from_config(config)
     opt, sched = torch_lm.adamw(model, config)
-    return config, settings, model, opt, sched, stream, starts, ds.x_test
+    return config, s, model, opt, sched, stream, starts, ds.x_test
 
 
 def replica(args) -> None:

@@ -70,8 +70,8 @@ def dataset(c: ml_collections.ConfigDict, replicas: int) -> data_lib.Dataset:
 class Log:
     """One replica incarnation's lines in ``run_dir/replica_<i>.jsonl`` (appended).
 
-    The first sync line also touches ``run_dir/joined_<i>_<incarnation>`` (the
-    launcher kills only replicas that have joined), the final line
+    The first sync line also writes its time to ``run_dir/joined_<i>_<incarnation>``
+    (the launcher kills only replicas that have joined), the final line
     ``run_dir/done_<i>`` (the run is over: nothing is restarted after it).
     """
 
@@ -87,8 +87,10 @@ class Log:
 
     def sync(self, **line) -> None:
         self.write(**line)
-        if not self._joined:
-            (self.dir / f"joined_{self.replica}_{self.incarnation}").touch()
+        if not self._joined:  # the file holds the time
+            path = self.dir / f"joined_{self.replica}_{self.incarnation}"
+            path.with_suffix(".tmp").write_text(repr(time.time()))
+            path.with_suffix(".tmp").replace(path)
             self._joined = True
 
     def final(self, **line) -> None:
