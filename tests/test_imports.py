@@ -186,7 +186,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "jaxcomm/compressors/dgc/transform.py:dgc",
     "jaxcomm/compressors/dgc/transform.py:update_fn",
-    "jaxcomm/compressors/powersgd.py:powersgd",
     "jaxcomm/parallel/step.py:data_parallel",
 }
 

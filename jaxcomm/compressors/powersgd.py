@@ -6,7 +6,37 @@ Each leaf of two or more dimensions is viewed as a matrix ``M`` of shape
 workers exchange ``P = M Q`` (a×r) and ``Q = Mᵀ P̂`` (b×r) instead of ``M``:
 ``(a+b)·r`` float32 values in two all-reduces, P then Q. Leaves of fewer
 than two dimensions and matrices that would not shrink by
-``min_compression_rate`` are averaged densely, as in torch's PowerSGD hook.
+``min_compression_rate`` are averaged densely, without error feedback, as in
+torch's PowerSGD hook.
+
+Each worker ``w`` computes, for every compressed leaf (``r = min(rank, a, b)``)::
+
+    M_w = g_w + E_w                       # error feedback
+    P   = Σ_w M_w Q        (all-reduce 1) # Q: last step's, shared
+    P̂   = orthogonalize(P)
+    Q_w = M_wᵀ P̂ ;  Q̄ = mean_w Q_w       (all-reduce 2)
+    E_w ← M_w − P̂ Q_wᵀ                    # own compression error
+    return P̂ Q̄ᵀ                          # = mean_w P̂ Q_wᵀ
+
+and keeps ``Q̄`` for the next step (warm start: the power iteration goes on
+across steps). The P's, then the Q's, are packed into buckets of
+``bucket_bytes`` filled from the last leaf to the first (one all-reduce per
+bucket, as torch's hook per DDP bucket); the dense leaves ride in the P
+buckets of their dtype. The error is the paper's local one (Algorithm 2,
+"memorize local errors"); torch's DDP hook keeps ``M_w − P̂ Q̄ᵀ`` instead.
+Both have the same mean over workers.
+
+Options mirror torch's ``PowerSGDState``: ``rank`` = ``matrix_approximation_rank`` (torch's
+default 1; the paper's CIFAR setting, and ours, 2), ``start_iter`` = ``start_powerSGD_iter``
+(torch's 1000; ours 0), ``min_compression_rate``, ``error_feedback`` =
+``use_error_feedback``, ``warm_start``, ``orthogonalization_epsilon``, ``batch_same_shape``
+= ``batch_tensors_with_same_shape``. As in torch, each leaf is its own matrix; only the
+transport is bucketed. With ``start_iter > 0`` the step is chosen with ``lax.cond`` on the
+step count, made identical on all workers by a 4-byte all-reduce; both branches' collectives
+are in the program (and ``jaxcomm.wire_bytes``). ``matrix_view="last"``: conv ``(kh, kw, in,
+out)`` -> ``(kh·kw·in, out)``; ``"first"``: torch conv ``(out, in, kh, kw)`` -> ``(out,
+in·kh·kw)``, but a Flax HWIO kernel is then a kh-row matrix the rate rule leaves dense. Both
+are plain reshapes, no transposes.
 
 This does not fit the flat-vector :class:`jaxcomm.core.Compressor` protocol
 (it needs the matrix shape and two dependent all-reduces), so it is its own
@@ -222,39 +252,15 @@ def powersgd(
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
 
-    For every leaf viewed as a matrix ``M`` (``a = shape[0]`` rows, ``b`` the
-    product of the other dimensions; see ``matrix_view``) with ``r = min(rank, a, b)`` and
-    ``(a + b)·r·min_compression_rate < a·b``, each worker ``w`` computes::
-
-        M_w = g_w + E_w                       # error feedback
-        P   = Σ_w M_w Q        (all-reduce 1) # Q: last step's, shared
-        P̂   = orthogonalize(P)
-        Q_w = M_wᵀ P̂ ;  Q̄ = mean_w Q_w       (all-reduce 2)
-        E_w ← M_w − P̂ Q_wᵀ                    # own compression error
-        return P̂ Q̄ᵀ                          # = mean_w P̂ Q_wᵀ
-
-    and keeps ``Q̄`` for the next step (warm start). Other leaves (biases,
-    norms, small matrices) are averaged densely in their own dtype, without
-    error feedback. The compressed leaves' P's, then their Q's, are packed
-    into buckets of ``bucket_bytes`` (one all-reduce per bucket, as torch's
-    hook does per DDP bucket); the dense leaves ride in the P all-reduce's
-    buckets of their dtype. Wire per worker per step: ``Σ (a+b)·r·4`` bytes
-    (P and Q are float32) plus the dense leaves' bytes.
-
-    The error is the paper's local one (Algorithm 2, "memorize local
-    errors"), ``M_w − P̂ Q_wᵀ``; torch's DDP hook keeps ``M_w − P̂ Q̄ᵀ``
-    instead. Both have the same mean over workers.
-
-    Options mirror torch's ``PowerSGDState``: ``rank`` =
-    ``matrix_approximation_rank`` (torch's default 1; the paper's CIFAR
-    setting, and ours, 2), ``start_iter`` = ``start_powerSGD_iter`` (torch's
-    default 1000; ours 0), ``min_compression_rate``, ``error_feedback`` =
-    ``use_error_feedback``, ``warm_start``, ``orthogonalization_epsilon``,
-    ``batch_same_shape`` = ``batch_tensors_with_same_shape``. As in torch,
-    each leaf is its own matrix; only the transport is bucketed.
-
-    Apply momentum after this transform (``optax.sgd(lr, momentum=0.9)``), as
-    the paper does.
+    Every leaf viewed as a matrix ``M`` (``a×b``, see ``matrix_view``) that a
+    rank-r approximation shrinks by ``min_compression_rate`` travels as
+    ``P = Σ_w M_w Q`` (all-reduce 1) and ``Q̄ = mean_w M_wᵀ P̂`` (all-reduce 2,
+    ``P̂`` the orthonormalised ``P``); the update is ``P̂ Q̄ᵀ``, Q̄ warm-starts
+    the next step, each worker keeps its error ``M_w − P̂ Q_wᵀ``. Other leaves
+    are averaged densely. Wire per worker per step: ``Σ (a+b)·r·4`` bytes plus
+    the dense leaves'. Step by step, with torch's options:
+    :mod:`jaxcomm.compressors.powersgd`. Apply momentum after this transform
+    (``optax.sgd(lr, momentum=0.9)``), as the paper does.
 
     Args:
       rank: rank r of the approximation, >= 1 (capped at ``min(a, b)``).
@@ -262,204 +268,232 @@ def powersgd(
         key everywhere; it is not folded with the worker index).
       axis_name: mesh axis to average over; ``None`` compresses locally.
       start_iter: steps of plain dense averaging (no error feedback) before
-        PowerSGD starts, >= 0. When > 0 the step is chosen with ``lax.cond``
-        on the step count, made identical on all workers by a 4-byte
-        all-reduce, and both branches' collectives appear in the program
-        (and in ``jaxcomm.wire_bytes``).
+        PowerSGD starts, >= 0.
       min_compression_rate: compress a matrix only if ``(a+b)·r`` is smaller
         than ``a·b / min_compression_rate``; > 0.
-      error_feedback: keep ``M_w − P̂ Q_wᵀ`` and add it to the next gradient
-        (one extra model copy, in the params' dtype).
-      warm_start: reuse last step's Q̄ (the power iteration continues across
-        steps); otherwise draw a fresh shared Q every step.
+      error_feedback: keep ``M_w − P̂ Q_wᵀ`` and add it to the next gradient.
+      warm_start: reuse last step's Q̄; otherwise draw a fresh shared Q every step.
       orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0.
-      batch_same_shape: stack matrices of equal shape and rank, so each group
-        is one batched matmul and orthogonalisation (faster for many equal
-        layers, e.g. transformer blocks). Same result, same bytes.
-      matrix_view: ``"last"`` (default): ``(rest, shape[-1])``, right for
-        Flax/JAX layouts, out-features last (conv ``(kh, kw, in, out)`` ->
-        ``(kh·kw·in, out)``; Dense ``(in, out)``). ``"first"``: ``(shape[0],
-        rest)``, torch's view, for torch-layout weights (conv ``(out, in, kh,
-        kw)``). With ``"first"`` a Flax HWIO kernel is a kh-row matrix that
-        the compression-rate rule leaves dense (most conv kernels then go
-        uncompressed). Both are plain reshapes, no transposes. :func:`leaf_plan` lists
-        which leaves are compressed and why the others go dense.
-      bucket_bytes: tensor fusion: all P's (and dense leaves) go in buckets
-        of at most this many bytes, one all-reduce each, filled from the last
-        leaf to the first; then all Q's likewise. Default ``"auto"``
-        (:func:`jaxcomm.buckets.default_bucket_bytes`);
-        ``None`` or 0: one all-reduce per matrix. Bit-identical results.
-      state_dtype: dtype of the residual (see :func:`jaxcomm.compress`); Q is
-        always float32.
+      batch_same_shape: one batched matmul per group of equal (a, b, r), faster
+        for many equal layers (e.g. transformer blocks); same result and bytes.
+      matrix_view: ``"last"`` (default): ``(rest, shape[-1])``, for Flax/JAX
+        layouts; ``"first"``: ``(shape[0], rest)``, torch's, for torch-layout
+        weights. :func:`leaf_plan` lists which leaves are compressed and why.
+      bucket_bytes: all P's (with the dense leaves), then all Q's, go in
+        buckets of at most this many bytes, one all-reduce each; default
+        ``"auto"``, ``None`` or 0: one per matrix. Bit-identical results.
+      state_dtype: dtype of the residual (see :func:`jaxcomm.compress`).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`PowerSGDState`.
-      Updates come out in their input dtype; the matmuls run in float32.
+      An ``optax.GradientTransformation`` with :class:`PowerSGDState`. Updates
+      keep their dtype; the matmuls run in float32, Q is float32.
 
-    Non-finite gradients: P is shared, so a NaN/Inf on any worker reaches
-    every worker. On such a step every compressed leaf's output is NaN, and
-    all workers leave ``q`` and ``residual`` unchanged (``state.nonfinite``
-    counts the step); wrap the chain in :func:`jaxcomm.skip_nonfinite` to skip
-    it (not ``optax.apply_if_finite``, which decides per worker before the
-    exchange: a worker that skips leaves the others waiting in the collective).
-    Integer or bool leaves raise ``TypeError``.
+    A NaN/Inf gradient on any worker reaches every worker (P is shared): every
+    compressed leaf's output is NaN and ``q``, ``residual`` stay unchanged
+    (``state.nonfinite`` counts it). Skip such steps with
+    :func:`jaxcomm.skip_nonfinite`, not ``optax.apply_if_finite`` (a worker
+    that skips alone leaves the others waiting in the collective). Integer or
+    bool leaves raise ``TypeError``.
 
     Example:
-      >>> tx = optax.chain(
-      ...     jaxcomm.powersgd(2, key=jax.random.key(0), axis_name="data"),
-      ...     optax.sgd(0.1, momentum=0.9))
+      >>> tx = optax.chain(jaxcomm.powersgd(2, key=jax.random.key(0), axis_name="data"),
+      ...                  optax.sgd(0.1, momentum=0.9))
 
     References:
-      Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient
-      Compression for Distributed Optimization", NeurIPS 2019,
-      arXiv:1905.13727. PyTorch ``torch.distributed.algorithms.ddp_comm_hooks.
-      powerSGD_hook``.
+      Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
+      Distributed Optimization", NeurIPS 2019, arXiv:1905.13727. PyTorch ``powerSGD_hook``.
     """
+    args = (axis_name, rank, start_iter, min_compression_rate, orthogonalization_epsilon)
+    flags = (error_feedback, warm_start, batch_same_shape)
+    o, start_iter, raw_key = _check_args(*args, matrix_view, key, bucket_bytes, state_dtype, flags)
+
+    def init_fn(params):
+        return _init(o, raw_key, params)
+
+    def update_fn(updates, state, params=None):
+        del params
+        return _update(o, start_iter, updates, state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _Options(NamedTuple):
+    """:func:`powersgd`'s checked options (static)."""
+
+    axis_name: Any
+    rank: int
+    min_rate: float
+    eps: float
+    matrix_view: str
+    bucket_bytes: int | None
+    state_dtype: Any
+    error_feedback: bool
+    warm_start: bool
+    batch_same_shape: bool
+
+
+def _check_args(
+    axis_name, rank, start_iter, min_rate, eps, matrix_view, key, bucket_bytes, state_dtype, flags
+) -> tuple[_Options, int, jax.Array]:
+    """:func:`powersgd`'s arguments checked: the options, ``start_iter`` and the raw key."""
     axis_name = collectives.check_axis_name(axis_name)
     rank = checks.check_int(rank, "rank", 1)
     start_iter = checks.check_int(start_iter, "start_iter", 0)
-    min_rate = checks.check_float(
-        min_compression_rate, "min_compression_rate", low=0.0, strict=True
-    )
-    eps = checks.check_float(
-        orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0, strict=False
-    )
+    min_rate = checks.check_float(min_rate, "min_compression_rate", low=0.0, strict=True)
+    eps = checks.check_float(eps, "orthogonalization_epsilon", low=0.0, strict=False)
     if matrix_view not in ("first", "last"):
         raise ValueError(f"matrix_view: expected 'first' or 'last', got {matrix_view!r}")
     raw_key = core.key_bits(key)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
     state_dtype = checks.check_state_dtype(state_dtype)
+    o = _Options(axis_name, rank, min_rate, eps, matrix_view, bucket_bytes, state_dtype, *flags)
+    return o, start_iter, raw_key
 
-    def init_fn(params):
-        leaves = jax.tree_util.tree_leaves_with_path(params)
-        core.check_float_leaves(leaves, "params")
-        plan = _plan([jnp.shape(x) for _, x in leaves], rank, min_rate, matrix_view)
-        return PowerSGDState(
-            count=jnp.zeros((), jnp.int32),
-            key=None if warm_start else raw_key,
-            q=_fresh_q(raw_key, plan) if warm_start else None,
-            residual=jax.tree.map(
-                lambda p: jnp.zeros(
-                    jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
-                ),
-                params,
-            )
-            if error_feedback
-            else None,
-            nonfinite=jnp.zeros((), jnp.int32),
+
+def _init(o: _Options, raw_key: jax.Array, params: Any) -> PowerSGDState:
+    """:func:`powersgd`'s initial state: Q drawn (warm start) or the key kept; zero residuals."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    core.check_float_leaves(leaves, "params")
+    plan = _plan([jnp.shape(x) for _, x in leaves], o.rank, o.min_rate, o.matrix_view)
+
+    def zeros(p):
+        return jnp.zeros(jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), o.state_dtype))
+
+    return PowerSGDState(
+        count=jnp.zeros((), jnp.int32),
+        key=None if o.warm_start else raw_key,
+        q=_fresh_q(raw_key, plan) if o.warm_start else None,
+        residual=jax.tree.map(zeros, params) if o.error_feedback else None,
+        nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+
+def _update(o: _Options, start_iter: int, updates: Any, state: PowerSGDState):
+    """One :func:`powersgd` step: dense averaging before ``start_iter``, PowerSGD after."""
+    _check_state(state, updates, error_feedback=o.error_feedback, warm_start=o.warm_start)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    core.check_float_leaves(with_path, "updates")
+    collectives.check_per_worker(updates, o.axis_name)
+    grads = [g for _, g in with_path]
+    if o.warm_start:
+        n_comp = sum(
+            leaf is not None
+            for leaf in _plan([g.shape for g in grads], o.rank, o.min_rate, o.matrix_view)
         )
-
-    def dense_step(grads, state):
-        out = grads if axis_name is None else buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
-        return out, state.key, state.q, state.residual, state.nonfinite
-
-    def power_step(grads, state, treedef):
-        plan = _plan([g.shape for g in grads], rank, min_rate, matrix_view)
-        comp = [i for i, leaf in enumerate(plan) if leaf is not None]
-        residuals = treedef.flatten_up_to(state.residual) if error_feedback else None
-        outputs: list[jax.Array | None] = [None] * len(grads)
-        dense = [i for i, leaf in enumerate(plan) if leaf is None]
-        if not comp:
-            if axis_name is not None:
-                grads = buckets.bucketed_pmean(grads, axis_name, bucket_bytes)
-            return grads, state.key, state.q, state.residual, state.nonfinite
-
-        new_key = state.key
-        if warm_start:
-            qs = list(state.q)
-        else:
-            new_key, step_key = jax.random.split(state.key)
-            qs = list(_fresh_q(step_key, plan))
-
-        ms = _matrices(grads, residuals, plan, comp)
-        q_of = dict(zip(comp, qs))
-        groups = _batches(plan, comp, batch_same_shape)
-        m_b = [jnp.stack([ms[i] for i in grp]) for grp in groups]  # (k, a, b)
-        q_b = [jnp.stack([q_of[i] for i in grp]) for grp in groups]  # (k, b, r)
-
-        # All-reduce 1: P = Σ_w M_w Q, bucketed; the dense leaves' sums ride along.
-        p_b = [_mm(m, q) for m, q in zip(m_b, q_b)]
-        order = sorted(
-            [(i, ("dense", i)) for i in dense] + [(g[0], ("p", j)) for j, g in enumerate(groups)]
-        )
-        arrays = {("dense", i): grads[i] for i in dense}
-        arrays.update({("p", j): p for j, p in enumerate(p_b)})
-        summed = dict(zip([t for _, t in order], _sum_over_workers([arrays[t] for _, t in order])))
-        n = 1 if axis_name is None else collectives.axis_size(axis_name)
-        for i in dense:
-            s = summed[("dense", i)]
-            outputs[i] = s if axis_name is None else s / jnp.asarray(n, s.dtype)
-        p_b = [summed[("p", j)] for j in range(len(groups))]
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in p_b]))
-        p_hat = [orthogonalize(p, eps) for p in p_b]
-        # All-reduce 2: Q̄ = mean_w M_wᵀ P̂.
-        q_w = [_mm(jnp.swapaxes(m, 1, 2), ph) for m, ph in zip(m_b, p_hat)]
-        q_mean = [q / n for q in _sum_over_workers(q_w)]
-
-        new_q = dict(q_of)
-        new_res = list(residuals) if error_feedback else None
-        poison = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
-        for grp, ph, qm, qw, m in zip(groups, p_hat, q_mean, q_w, m_b):
-            approx = _mm(ph, jnp.swapaxes(qm, 1, 2)) + poison  # (k, a, b)
-            err = m - _mm(ph, jnp.swapaxes(qw, 1, 2)) if error_feedback else None
-            for j, i in enumerate(grp):
-                g = grads[i]
-                outputs[i] = approx[j].reshape(g.shape).astype(g.dtype)
-                # A zero column of Q̄ (zero or rank-deficient M: P̂ has a zero column) would
-                # stay zero for ever under warm start; keep last step's column instead.
-                live = jnp.any(qm[j] != 0, axis=0, keepdims=True)
-                new_q[i] = jnp.where(finite & live, qm[j], q_of[i])
-                if error_feedback:
-                    r = err[j].reshape(g.shape).astype(residuals[i].dtype)
-                    new_res[i] = jnp.where(finite, r, residuals[i])
-        q_state = tuple(new_q[i] for i in comp) if warm_start else None
-        residual = treedef.unflatten(new_res) if error_feedback else None
-        nonfinite = state.nonfinite + (~finite).astype(jnp.int32)
-        return outputs, new_key, q_state, residual, nonfinite
-
-    def _sum_over_workers(arrays: list[jax.Array]) -> list[jax.Array]:
-        """Σ over workers of every array (in leaf order): one all-reduce per bucket."""
-        if axis_name is None:
-            return arrays
-        return buckets.bucketed_psum(arrays, axis_name, bucket_bytes)
-
-    def update_fn(updates, state, params=None):
-        del params
-        _check_state(state, updates, error_feedback=error_feedback, warm_start=warm_start)
-        with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        core.check_float_leaves(with_path, "updates")
-        collectives.check_per_worker(updates, axis_name)
-        grads = [g for _, g in with_path]
-        if warm_start:
-            n_comp = sum(
-                leaf is not None
-                for leaf in _plan([g.shape for g in grads], rank, min_rate, matrix_view)
+        if len(state.q) != n_comp:
+            raise ValueError(
+                f"state.q: holds {len(state.q)} matrices but the updates have {n_comp} "
+                f"compressible leaves; was the state initialised with other params?"
             )
-            if len(state.q) != n_comp:
-                raise ValueError(
-                    f"state.q: holds {len(state.q)} matrices but the updates have {n_comp} "
-                    f"compressible leaves; was the state initialised with other params?"
-                )
 
-        if start_iter == 0:
-            out, key_, q, res, nonfinite = power_step(grads, state, treedef)
-        else:
-            started = state.count >= start_iter
-            if axis_name is not None:  # identical, and typed invariant, on all workers
-                started = collectives.agree(started.astype(jnp.int32), axis_name) > 0
-            out, key_, q, res, nonfinite = typed_cond(
-                started,
-                lambda s: power_step(grads, s, treedef),
-                lambda s: dense_step(grads, s),
-                state,
-            )
-        new_state = PowerSGDState(
-            count=optax.safe_int32_increment(state.count),
-            key=key_,
-            q=q,
-            residual=res,
-            nonfinite=nonfinite,
+    if start_iter == 0:
+        out, key_, q, res, nonfinite = _power_step(o, grads, state, treedef)
+    else:
+        started = state.count >= start_iter
+        if o.axis_name is not None:  # identical, and typed invariant, on all workers
+            started = collectives.agree(started.astype(jnp.int32), o.axis_name) > 0
+        out, key_, q, res, nonfinite = typed_cond(
+            started,
+            lambda s: _power_step(o, grads, s, treedef),
+            lambda s: _dense_step(o, grads, s),
+            state,
         )
-        return treedef.unflatten(out), new_state
+    count = optax.safe_int32_increment(state.count)
+    return treedef.unflatten(out), PowerSGDState(count, key_, q, res, nonfinite)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+
+def _dense_step(o: _Options, grads, state):
+    """The step before ``start_iter``: the dense mean, the state as it is."""
+    if o.axis_name is not None:
+        grads = buckets.bucketed_pmean(grads, o.axis_name, o.bucket_bytes)
+    return grads, state.key, state.q, state.residual, state.nonfinite
+
+
+def _sum_over_workers(o: _Options, arrays: list[jax.Array]) -> list[jax.Array]:
+    """Σ over workers of every array (in leaf order): one all-reduce per bucket."""
+    return (
+        arrays
+        if o.axis_name is None
+        else buckets.bucketed_psum(arrays, o.axis_name, o.bucket_bytes)
+    )
+
+
+def _power_step(o: _Options, grads, state, treedef):
+    """The PowerSGD step (see the module docstring): the outputs (leaf list), key, Q,
+    residual and non-finite count."""
+    plan = _plan([g.shape for g in grads], o.rank, o.min_rate, o.matrix_view)
+    comp = [i for i, leaf in enumerate(plan) if leaf is not None]
+    residuals = treedef.flatten_up_to(state.residual) if o.error_feedback else None
+    outputs: list[jax.Array | None] = [None] * len(grads)
+    dense = [i for i, leaf in enumerate(plan) if leaf is None]
+    if not comp:
+        if o.axis_name is not None:
+            grads = buckets.bucketed_pmean(grads, o.axis_name, o.bucket_bytes)
+        return grads, state.key, state.q, state.residual, state.nonfinite
+
+    new_key = state.key
+    if o.warm_start:
+        qs = list(state.q)
+    else:
+        new_key, step_key = jax.random.split(state.key)
+        qs = list(_fresh_q(step_key, plan))
+
+    ms = _matrices(grads, residuals, plan, comp)
+    q_of = dict(zip(comp, qs))
+    groups = _batches(plan, comp, o.batch_same_shape)
+    m_b = [jnp.stack([ms[i] for i in grp]) for grp in groups]  # (k, a, b)
+    q_b = [jnp.stack([q_of[i] for i in grp]) for grp in groups]  # (k, b, r)
+
+    # All-reduce 1: P = Σ_w M_w Q, bucketed; the dense leaves' sums ride along.
+    p_b, n = _reduce_p(o, grads, dense, groups, [_mm(m, q) for m, q in zip(m_b, q_b)], outputs)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in p_b]))
+    p_hat = [orthogonalize(p, o.eps) for p in p_b]
+    # All-reduce 2: Q̄ = mean_w M_wᵀ P̂.
+    q_w = [_mm(jnp.swapaxes(m, 1, 2), ph) for m, ph in zip(m_b, p_hat)]
+    q_mean = [q / n for q in _sum_over_workers(o, q_w)]
+
+    factors = (p_hat, q_mean, q_w, m_b)
+    new_q, new_res = _apply(o, grads, residuals, groups, factors, q_of, finite, outputs)
+    q_state = tuple(new_q[i] for i in comp) if o.warm_start else None
+    residual = treedef.unflatten(new_res) if o.error_feedback else None
+    nonfinite = state.nonfinite + (~finite).astype(jnp.int32)
+    return outputs, new_key, q_state, residual, nonfinite
+
+
+def _reduce_p(o: _Options, grads, dense, groups, p_b, outputs):
+    """All-reduce 1: the sums of the groups' P's, bucketed with the dense leaves (whose
+    means go to ``outputs``, in place); the P sums and the worker count."""
+    order = sorted(
+        [(i, ("dense", i)) for i in dense] + [(g[0], ("p", j)) for j, g in enumerate(groups)]
+    )
+    arrays = {("dense", i): grads[i] for i in dense}
+    arrays.update({("p", j): p for j, p in enumerate(p_b)})
+    summed = dict(zip([t for _, t in order], _sum_over_workers(o, [arrays[t] for _, t in order])))
+    n = 1 if o.axis_name is None else collectives.axis_size(o.axis_name)
+    for i in dense:
+        s = summed[("dense", i)]
+        outputs[i] = s if o.axis_name is None else s / jnp.asarray(n, s.dtype)
+    return [summed[("p", j)] for j in range(len(groups))], n
+
+
+def _apply(o: _Options, grads, residuals, groups, factors, q_of, finite, outputs):
+    """Each compressed leaf's output ``P̂ Q̄ᵀ`` (into ``outputs``, in place; NaN unless
+    ``finite``), its next Q̄ and residual (kept as they were unless ``finite``)."""
+    p_hat, q_mean, q_w, m_b = factors
+    new_q = dict(q_of)
+    new_res = list(residuals) if o.error_feedback else None
+    poison = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
+    for grp, ph, qm, qw, m in zip(groups, p_hat, q_mean, q_w, m_b):
+        approx = _mm(ph, jnp.swapaxes(qm, 1, 2)) + poison  # (k, a, b)
+        err = m - _mm(ph, jnp.swapaxes(qw, 1, 2)) if o.error_feedback else None
+        for j, i in enumerate(grp):
+            g = grads[i]
+            outputs[i] = approx[j].reshape(g.shape).astype(g.dtype)
+            # A zero column of Q̄ (zero or rank-deficient M: P̂ has a zero column) would
+            # stay zero for ever under warm start; keep last step's column instead.
+            live = jnp.any(qm[j] != 0, axis=0, keepdims=True)
+            new_q[i] = jnp.where(finite & live, qm[j], q_of[i])
+            if o.error_feedback:
+                r = err[j].reshape(g.shape).astype(residuals[i].dtype)
+                new_res[i] = jnp.where(finite, r, residuals[i])
+    return new_q, new_res
