@@ -1,5 +1,43 @@
 """The DGC transform: momentum correction, velocity accumulation, the sampled selection and
-one all-gather per bucket."""
+one all-gather per bucket.
+
+The four parts of Lin et al. (2018), each switchable in :func:`dgc`:
+
+* **momentum correction** (``momentum_correction``): each worker keeps its
+  momentum ``u ← m·u + g`` (Nesterov: ``u ← m·(u + g)`` and ``v`` gets
+  ``u + g``, as in the official code) and accumulates the *velocity*
+  ``v ← v + u``; what is not sent stays in v. Without it (``momentum=0``,
+  the momentum after DGC) it is the paper's baseline without correction.
+* **local gradient clipping** (``clip_norm``): before that, the worker's
+  gradient is scaled by ``min(1, (clip_norm/√n) / (‖g‖ + 1e-6))``, ``‖g‖``
+  its global norm over all leaves (no communication).
+* **momentum factor masking** (``momentum_masking``): u and v are zeroed
+  where entries were sent.
+* **warm-up** (``warmup_steps``): the density rises from 25% to ``ratio``
+  exponentially over ``warmup_epochs`` (see :func:`dgc_density_schedule`).
+
+Selection: the threshold is the top-ρ magnitude of a strided ~1% sample of
+|v| (at least 2/ρ entries; the whole of v when it is that small), with the
+official code's bounded correction while more than 1.3·k / fewer than 0.8·k
+entries reach it (at most 10 rounds: scale by 1.3 / 0.8, then bisect once
+both sides are known, instead of the official sort). The first ``k = max(1,
+ceil(ρ·d))`` entries reaching it are sent (a static cap; the rest stay in v):
+values + int32 indices, all-gathered, summed and divided by n. Leaves smaller
+than ``min_size`` are sent dense (``pmean`` of the worker's momentum ``u``,
+which equals momentum on the averaged gradient), riding in the values'
+all-gather unless gathering them costs more bytes than a collective's latency
+(:func:`jaxcomm.strategies.dense_rides`). Tensor fusion: every sparse leaf's
+values and indices go in all-gather buckets of at most ``bucket_bytes`` (raw
+bytes, one all-gather each), the dense leaves in all-reduce buckets of one
+dtype, filled from the last leaf to the first
+(:func:`jaxcomm.buckets.default_bucket_bytes` for ``"auto"``); results are
+bit-identical for any bucket size.
+
+With warm-up, each distinct density is a branch of a ``lax.switch`` picked by
+the step count (made identical on all workers by a 4-byte all-reduce); the
+program, and ``jaxcomm.wire_bytes``, hold every branch's all-gather (sum
+them), while a step moves only its own.
+"""
 
 from __future__ import annotations
 
@@ -89,237 +127,65 @@ def dgc(
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression: momentum-corrected, masked, clipped, warmed-up top-k.
 
-    Implements the four parts of Lin et al. (2018), each switchable:
-
-    * **momentum correction** (``momentum_correction``): each worker keeps its
-      momentum ``u ← m·u + g`` (Nesterov: ``u ← m·(u + g)`` and ``v`` gets
-      ``u + g``, as in the official code) and accumulates the *velocity*
-      ``v ← v + u``; what is not sent stays in v.
-    * **local gradient clipping** (``clip_norm``): before that, the worker's
-      gradient is scaled by ``min(1, (clip_norm/√n) / (‖g‖ + 1e-6))``, ``‖g‖``
-      its global norm over all leaves (no communication).
-    * **momentum factor masking** (``momentum_masking``): u and v are zeroed
-      where entries were sent.
-    * **warm-up** (``warmup_steps``): the density rises from 25% to ``ratio``
-      exponentially over ``warmup_epochs`` (see :func:`dgc_density_schedule`).
-
-    Selection: the threshold is the top-ρ magnitude of a strided ~1% sample
-    of |v| (at least 2/ρ entries; the whole of v when it is that small), with
-    the official code's bounded correction while more than 1.3·k / fewer
-    than 0.8·k entries reach it (at most 10 rounds: scale by 1.3 / 0.8, then
-    bisect once both sides are known, instead of the official sort). The
-    first ``k = max(1, ceil(ρ·d))`` entries reaching it are sent (a static
-    cap; the rest stay in v): values + int32 indices, all-gathered, summed
-    and divided by n. Leaves smaller than ``min_size`` are sent dense
-    (``pmean`` of the worker's momentum ``u``, which equals momentum on the
-    averaged gradient).
-
-    Wire per worker per step: ``Σ_sparse k·(value bytes + 4) + Σ_dense
-    size·value bytes``. With warm-up, each distinct density is a branch of a
-    ``lax.switch`` picked by the step count (made identical on all workers
-    by a 4-byte all-reduce); the program, and ``jaxcomm.wire_bytes``, hold
-    every branch's all-gather (sum them), while a step moves only its own.
+    Each worker accumulates its momentum-corrected velocity ``v`` and sends
+    its ``k = max(1, ceil(ρ·d))`` entries above a sampled top-ρ threshold
+    (values + int32 indices, all-gathered); the update is the mean of what
+    was sent. Wire per worker per step: ``Σ_sparse k·(value bytes + 4) +
+    Σ_dense size·value bytes``. The four parts, the selection and the
+    warm-up's branches in detail: :mod:`jaxcomm.compressors.dgc.transform`.
 
     Warning:
       Momentum is applied INSIDE DGC. Follow it with plain SGD,
-      ``optax.chain(jaxcomm.dgc(...), optax.sgd(lr))``, or use
-      :func:`dgc_sgd`. SGD with momentum or Adam after it applies momentum
-      twice; :func:`check_followed_by_plain_sgd` detects that from the
-      optimizer state. With ``momentum_correction=False`` the reverse holds:
-      DGC only accumulates gradients (``momentum`` must be 0) and the
-      momentum goes after it (``optax.sgd(lr, momentum=0.9)``), the paper's
-      baseline without correction.
+      ``optax.chain(jaxcomm.dgc(...), optax.sgd(lr))``, or use :func:`dgc_sgd`.
+      SGD with momentum or Adam after it applies momentum twice;
+      :func:`check_followed_by_plain_sgd` detects that from the optimizer state.
+      With ``momentum_correction=False`` the reverse holds: DGC only accumulates
+      gradients (``momentum`` must be 0), the momentum goes after it.
 
     Args:
       ratio: density after warm-up, in (0, 1] (0.001 = 99.9% sparsity).
       axis_name: mesh axis to average over; ``None`` sparsifies locally.
-      momentum: m in [0, 1).
-      nesterov: Nesterov momentum as in the official code.
+      momentum: m in [0, 1). nesterov: Nesterov momentum as in the official code.
       momentum_correction: accumulate the velocity, not the gradient.
       momentum_masking: zero u and v at sent entries (needs the correction).
-      clip_norm: global-norm clipping threshold (before scaling by n^-1/2),
-        > 0, or ``None`` for no clipping.
+      clip_norm: global-norm clipping threshold (before scaling by n^-1/2), > 0, or ``None``.
       warmup_steps: warm-up steps, >= 0 (the paper: 4 epochs).
       warmup_epochs: equal parts of the warm-up, >= 1.
       warmup_ratios: density of each warm-up epoch; ``None`` for 4^-(e+1).
       sample_ratio: fraction of |v| sampled for the threshold, in (0, 1].
       min_size: leaves with fewer entries are sent dense.
-      bucket_bytes: tensor fusion: every sparse leaf's values and indices go
-        in all-gather buckets of at most this many bytes (raw bytes, one
-        all-gather each), the dense leaves in all-reduce buckets of one dtype,
-        filled from the last leaf to the first. Default ``"auto"``
-        (:func:`jaxcomm.buckets.default_bucket_bytes`);
-        ``None`` or 0: one collective per array. Bit-identical results.
-      state_dtype: dtype of u and v (see :func:`jaxcomm.compress`); the
-        payload is sent in the grads' dtype.
+      bucket_bytes: tensor fusion, default ``"auto"``; ``None`` or 0: one collective per array.
+      state_dtype: dtype of u and v (see :func:`jaxcomm.compress`).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DGCState` (u and v in
-      the params' dtypes: two extra model copies). Updates come out in the
-      dtype they came in; values are sent in it.
+      An ``optax.GradientTransformation`` with :class:`DGCState` (u and v: two
+      extra model copies). Updates, and the values sent, keep the grads' dtype.
 
-    Non-finite gradients: if a worker's (clipped) gradient holds NaN/Inf, its
-    u and v are left unchanged that step (``state.nonfinite`` counts it) and
-    it sends NaN values, so the NaN reaches every worker's output; wrap the
-    chain in :func:`jaxcomm.skip_nonfinite` to skip such steps (not
-    ``optax.apply_if_finite``, which decides per worker before the exchange:
-    a worker that skips leaves the others waiting in the collective).
+    A worker whose (clipped) gradient holds NaN/Inf keeps its u and v that step
+    (``state.nonfinite``) and sends NaN, which reaches every worker's output;
+    skip such steps with :func:`jaxcomm.skip_nonfinite`, not ``optax.apply_if_finite``
+    (a worker that skips alone leaves the others waiting in the collective).
 
     Example:
-      >>> tx = optax.chain(
-      ...     jaxcomm.dgc(0.001, axis_name="data", warmup_steps=4 * steps_per_epoch),
-      ...     optax.sgd(0.1))  # plain SGD: no momentum here
+      >>> tx = optax.chain(jaxcomm.dgc(0.001, axis_name="data", warmup_steps=4 * epoch),
+      ...                  optax.sgd(0.1))  # plain SGD: no momentum here
 
     References:
-      Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the
-      Communication Bandwidth for Distributed Training", ICLR 2018,
-      arXiv:1712.01887. Official code: github.com/synxlin/deep-gradient-compression.
+      Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the Communication
+      Bandwidth for Distributed Training", ICLR 2018, arXiv:1712.01887. Official code:
+      github.com/synxlin/deep-gradient-compression.
     """
-    axis_name = collectives.check_axis_name(axis_name)
-    ratio, warmup_steps, warmup_epochs, warmup_ratios = check_schedule(
-        ratio, warmup_steps, warmup_epochs, warmup_ratios
-    )
-    m = check_momentum(momentum)
-    clip = check_clip(clip_norm)
-    sample_ratio = checks.check_ratio(sample_ratio, "sample_ratio")
-    state_dtype = checks.check_state_dtype(state_dtype)
-    min_size = checks.check_int(min_size, "min_size", 0)
-    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    if not momentum_correction and m != 0.0:
-        raise ValueError(
-            f"momentum: with momentum_correction=False DGC only accumulates gradients and "
-            f"applies no momentum; pass momentum=0 and put the momentum after it, e.g. "
-            f"optax.sgd(lr, momentum={m}) (or use jaxcomm.dgc_sgd). Got momentum={m}"
-        )
-    dens = densities(ratio, warmup_epochs, warmup_ratios) if warmup_steps else (ratio,)
-    bounds = boundaries(warmup_steps, warmup_epochs) if warmup_steps else []
-    distinct = sorted(set(dens), reverse=True)
-    branch_of_phase = [distinct.index(x) for x in dens]
+    schedule = (ratio, warmup_steps, warmup_epochs, warmup_ratios)
+    flags = (nesterov, momentum_correction, momentum_masking)
+    options = (momentum, clip_norm, sample_ratio, min_size, bucket_bytes, state_dtype)
+    o = _check_args(axis_name, schedule, flags, *options)
 
     def init_fn(params):
-        core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-        zeros = lambda: jax.tree.map(  # noqa: E731
-            lambda p: jnp.zeros(
-                jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
-            ),
-            params,
-        )
-        return DGCState(
-            count=jnp.zeros((), jnp.int32),
-            momentum=zeros() if momentum_correction else None,
-            velocity=zeros(),
-            nonfinite=jnp.zeros((), jnp.int32),
-        )
+        return _init(o, params)
 
     def update_fn(updates, state, params=None):
         del params
-        _check_state(state, updates, momentum_correction)
-        with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        core.check_float_leaves(with_path, "updates")
-        collectives.check_per_worker(updates, axis_name)
-        grads = [g for _, g in with_path]
-        n = 1 if axis_name is None else collectives.axis_size(axis_name)
-
-        if clip is not None:
-            sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
-            scale = jnp.minimum(1.0, (clip / math.sqrt(n)) / (jnp.sqrt(sq) + 1e-6))
-            grads = [g * scale.astype(g.dtype) for g in grads]
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
-
-        us = treedef.flatten_up_to(state.momentum) if momentum_correction else None
-        vs = treedef.flatten_up_to(state.velocity)
-        sparse = [i for i, g in enumerate(grads) if g.size >= max(min_size, 1)]
-        outputs: list[jax.Array | None] = [None] * len(grads)
-        new_v = list(vs)
-        new_u, acc = _correct_momentum(grads, us, vs, m, nesterov)
-        dense = [i for i in range(len(grads)) if i not in sparse]
-        # dense: mean of the momentum = momentum of the mean
-        sends = [acc[i].astype(grads[i].dtype) for i in dense]
-        # they ride in the values' all-gather (one collective per bucket) unless gathering
-        # them costs more bytes than a collective's latency (strategies.dense_rides)
-        dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
-        ride = axis_name is not None and bool(sparse) and strategies.dense_rides(n, dense_bytes)
-        if axis_name is not None and not ride:
-            sends = buckets.bucketed_pmean(sends, axis_name, bucket_bytes)
-        if not ride:
-            for i, send in zip(dense, sends):
-                outputs[i] = send
-        vel = {i: (vs[i] + acc[i]).reshape(-1) for i in sparse}
-
-        def phase(density: float):
-            def run():
-                outs, vels, moms = [], [], []
-                sent = []
-                for i in sparse:
-                    g, v = grads[i], vel[i]
-                    d = v.shape[0]
-                    plan = selection.make_plan(density, d, sample_ratio)
-                    offset = state.count % plan.stride
-                    idx = selection.select(v, plan, offset, state.count)
-                    vals = jnp.where(idx < d, v[jnp.minimum(idx, d - 1)], 0)
-                    vals = jnp.where(finite, vals, jnp.nan).astype(g.dtype)
-                    sent.append((vals, idx))
-                means = []  # of the dense leaves, when they ride
-                if axis_name is None:
-                    received = [(vals[None], idx[None]) for vals, idx in sent]
-                else:  # one all-gather per bucket of every leaf's values and indices
-                    flat = buckets.bucketed_all_gather(
-                        [x for pair in sent for x in pair] + (sends if ride else []),
-                        axis_name,
-                        bucket_bytes,
-                    )
-                    pairs, rows = flat[: 2 * len(sent)], flat[2 * len(sent) :]
-                    received = list(zip(pairs[::2], pairs[1::2]))
-                    means = [buckets.sum_rows(x) / jnp.asarray(n, x.dtype) for x in rows]
-                for i, (vals, idx), (g_vals, g_idx) in zip(sparse, sent, received):
-                    g, v = grads[i], vel[i]
-                    d = v.shape[0]
-                    total = (
-                        jnp.zeros((d,), g.dtype)
-                        .at[g_idx.reshape(-1)]
-                        .add(g_vals.reshape(-1), mode="drop")
-                    )
-                    outs.append((total / jnp.asarray(n, g.dtype)).reshape(g.shape))
-                    # sent entries leave v: v - v is exactly 0 (rounding kept if sent in
-                    # a lower precision); masking also zeroes u there.
-                    vels.append(v.at[idx].add(-vals.astype(v.dtype), mode="drop"))
-                    if momentum_correction and momentum_masking:
-                        moms.append(new_u[i].reshape(-1).at[idx].set(0, mode="drop"))
-                    elif momentum_correction:
-                        moms.append(new_u[i].reshape(-1))
-                return outs, vels, moms, means
-
-            return run
-
-        if sparse:
-            runs = [phase(x) for x in distinct]
-            if len(runs) == 1:
-                outs, vels, moms, means = runs[0]()
-            else:
-                ph = sum((state.count >= b).astype(jnp.int32) for b in bounds)
-                branch = jnp.asarray(branch_of_phase, jnp.int32)[ph]
-                if axis_name is not None:  # identical, and typed invariant, on all workers
-                    branch = collectives.agree(branch, axis_name)
-                outs, vels, moms, means = typed_switch(branch, runs)
-            if ride:
-                for i, mean in zip(dense, means):
-                    outputs[i] = mean
-            for j, i in enumerate(sparse):
-                outputs[i] = outs[j]
-                new_v[i] = vels[j].reshape(vs[i].shape)
-                if momentum_correction:
-                    new_u[i] = moms[j].reshape(us[i].shape)
-
-        keep = lambda new, old: jnp.where(finite, new.astype(old.dtype), old)  # noqa: E731
-        new_state = DGCState(
-            count=optax.safe_int32_increment(state.count),
-            momentum=treedef.unflatten([keep(a, b) for a, b in zip(new_u, us)])
-            if momentum_correction
-            else None,
-            velocity=treedef.unflatten([keep(a, b) for a, b in zip(new_v, vs)]),
-            nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
-        )
-        return treedef.unflatten(outputs), new_state
+        return _update(o, updates, state)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -337,3 +203,203 @@ def _check_state(state: Any, updates: Any, momentum_correction: bool) -> None:
     for name, buf in (("momentum", state.momentum), ("velocity", state.velocity)):
         if buf is not None:
             core.check_residual(buf, updates, f"state.{name}")
+
+
+class _Options(NamedTuple):
+    """:func:`dgc`'s checked options (static), with the warm-up's branches."""
+
+    axis_name: Any
+    m: float
+    nesterov: bool
+    momentum_correction: bool
+    momentum_masking: bool
+    clip: float | None
+    sample_ratio: float
+    min_size: int
+    bucket_bytes: int | None
+    state_dtype: Any
+    distinct: list[float]  # the distinct densities, one switch branch each
+    bounds: list[int]  # the steps where a warm-up epoch starts
+    branch_of_phase: list[int]  # warm-up epoch -> its density's branch
+
+
+def _check_args(
+    axis_name,
+    schedule,
+    flags,
+    momentum,
+    clip_norm,
+    sample_ratio,
+    min_size,
+    bucket_bytes,
+    state_dtype,
+) -> _Options:
+    """:func:`dgc`'s arguments checked (errors name the argument)."""
+    axis_name = collectives.check_axis_name(axis_name)
+    ratio, warmup_steps, warmup_epochs, warmup_ratios = check_schedule(*schedule)
+    m = check_momentum(momentum)
+    clip = check_clip(clip_norm)
+    sample_ratio = checks.check_ratio(sample_ratio, "sample_ratio")
+    state_dtype = checks.check_state_dtype(state_dtype)
+    min_size = checks.check_int(min_size, "min_size", 0)
+    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
+    nesterov, momentum_correction, momentum_masking = flags
+    if not momentum_correction and m != 0.0:
+        raise ValueError(
+            f"momentum: with momentum_correction=False DGC only accumulates gradients and "
+            f"applies no momentum; pass momentum=0 and put the momentum after it, e.g. "
+            f"optax.sgd(lr, momentum={m}) (or use jaxcomm.dgc_sgd). Got momentum={m}"
+        )
+    dens = densities(ratio, warmup_epochs, warmup_ratios) if warmup_steps else (ratio,)
+    bounds = boundaries(warmup_steps, warmup_epochs) if warmup_steps else []
+    distinct = sorted(set(dens), reverse=True)
+    branch_of_phase = [distinct.index(x) for x in dens]
+    return _Options(axis_name, m, *flags, clip, sample_ratio, min_size, bucket_bytes,
+                    state_dtype, distinct, bounds, branch_of_phase)  # fmt: skip
+
+
+def _init(o: _Options, params: Any) -> DGCState:
+    """:func:`dgc`'s initial state: zero u (with the correction) and v."""
+    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+    zeros = lambda: jax.tree.map(  # noqa: E731
+        lambda p: jnp.zeros(
+            jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), o.state_dtype)
+        ),
+        params,
+    )
+    return DGCState(
+        count=jnp.zeros((), jnp.int32),
+        momentum=zeros() if o.momentum_correction else None,
+        velocity=zeros(),
+        nonfinite=jnp.zeros((), jnp.int32),
+    )
+
+
+def _update(o: _Options, updates: Any, state: DGCState):
+    """One DGC step: clip, correct the momentum, send the dense leaves and the selection."""
+    _check_state(state, updates, o.momentum_correction)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    core.check_float_leaves(with_path, "updates")
+    collectives.check_per_worker(updates, o.axis_name)
+    grads = [g for _, g in with_path]
+    n = 1 if o.axis_name is None else collectives.axis_size(o.axis_name)
+
+    if o.clip is not None:
+        sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
+        scale = jnp.minimum(1.0, (o.clip / math.sqrt(n)) / (jnp.sqrt(sq) + 1e-6))
+        grads = [g * scale.astype(g.dtype) for g in grads]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+
+    us = treedef.flatten_up_to(state.momentum) if o.momentum_correction else None
+    vs = treedef.flatten_up_to(state.velocity)
+    sparse = [i for i, g in enumerate(grads) if g.size >= max(o.min_size, 1)]
+    outputs: list[jax.Array | None] = [None] * len(grads)
+    new_v = list(vs)
+    new_u, acc = _correct_momentum(grads, us, vs, o.m, o.nesterov)
+    dense = [i for i in range(len(grads)) if i not in sparse]
+    sends, ride = _dense_sends(o, grads, acc, dense, bool(sparse), n, outputs)
+    vel = {i: (vs[i] + acc[i]).reshape(-1) for i in sparse}
+
+    if sparse:
+        leaves = (grads, vel, sparse, new_u, sends if ride else [])
+        runs = [_phase(o, x, leaves, state.count, finite, n) for x in o.distinct]
+        outs, vels, moms, means = _run_phases(o, runs, state.count)
+        if ride:
+            for i, mean in zip(dense, means):
+                outputs[i] = mean
+        for j, i in enumerate(sparse):
+            outputs[i] = outs[j]
+            new_v[i] = vels[j].reshape(vs[i].shape)
+            if o.momentum_correction:
+                new_u[i] = moms[j].reshape(us[i].shape)
+
+    keep = lambda new, old: jnp.where(finite, new.astype(old.dtype), old)  # noqa: E731
+    new_state = DGCState(
+        count=optax.safe_int32_increment(state.count),
+        momentum=treedef.unflatten([keep(a, b) for a, b in zip(new_u, us)])
+        if o.momentum_correction
+        else None,
+        velocity=treedef.unflatten([keep(a, b) for a, b in zip(new_v, vs)]),
+        nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+    )
+    return treedef.unflatten(outputs), new_state
+
+
+def _dense_sends(o: _Options, grads, acc, dense, any_sparse: bool, n: int, outputs):
+    """The dense leaves' payloads (their accumulated momentum: the mean of the momentum is
+    the momentum of the mean) and whether they ride in the values' all-gather; when they do
+    not, their means go to ``outputs`` (in place) after their own all-reduce."""
+    sends = [acc[i].astype(grads[i].dtype) for i in dense]
+    # they ride in the values' all-gather (one collective per bucket) unless gathering
+    # them costs more bytes than a collective's latency (strategies.dense_rides)
+    dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
+    ride = o.axis_name is not None and any_sparse and strategies.dense_rides(n, dense_bytes)
+    if o.axis_name is not None and not ride:
+        sends = buckets.bucketed_pmean(sends, o.axis_name, o.bucket_bytes)
+    if not ride:
+        for i, send in zip(dense, sends):
+            outputs[i] = send
+    return sends, ride
+
+
+def _run_phases(o: _Options, runs, count):
+    """The branch of this step's density: the only one, or a switch on the warm-up epoch."""
+    if len(runs) == 1:
+        return runs[0]()
+    ph = sum((count >= b).astype(jnp.int32) for b in o.bounds)
+    branch = jnp.asarray(o.branch_of_phase, jnp.int32)[ph]
+    if o.axis_name is not None:  # identical, and typed invariant, on all workers
+        branch = collectives.agree(branch, o.axis_name)
+    return typed_switch(branch, runs)
+
+
+def _phase(o: _Options, density: float, leaves, count, finite, n: int):
+    """The step at one density: ``run() -> (outputs, velocities, momenta, dense means)`` of
+    the sparse leaves (and of the dense ones that ride in the all-gather)."""
+    grads, vel, sparse, new_u, riding = leaves
+
+    def run():
+        sent = []
+        for i in sparse:
+            g, v = grads[i], vel[i]
+            d = v.shape[0]
+            plan = selection.make_plan(density, d, o.sample_ratio)
+            offset = count % plan.stride
+            idx = selection.select(v, plan, offset, count)
+            vals = jnp.where(idx < d, v[jnp.minimum(idx, d - 1)], 0)
+            vals = jnp.where(finite, vals, jnp.nan).astype(g.dtype)
+            sent.append((vals, idx))
+        received, means = _gather(o, sent, riding, n)
+        outs, vels, moms = [], [], []
+        for i, (vals, idx), (g_vals, g_idx) in zip(sparse, sent, received):
+            g, v = grads[i], vel[i]
+            d = v.shape[0]
+            total = (
+                jnp.zeros((d,), g.dtype).at[g_idx.reshape(-1)].add(g_vals.reshape(-1), mode="drop")
+            )
+            outs.append((total / jnp.asarray(n, g.dtype)).reshape(g.shape))
+            # sent entries leave v: v - v is exactly 0 (rounding kept if sent in
+            # a lower precision); masking also zeroes u there.
+            vels.append(v.at[idx].add(-vals.astype(v.dtype), mode="drop"))
+            if o.momentum_correction and o.momentum_masking:
+                moms.append(new_u[i].reshape(-1).at[idx].set(0, mode="drop"))
+            elif o.momentum_correction:
+                moms.append(new_u[i].reshape(-1))
+        return outs, vels, moms, means
+
+    return run
+
+
+def _gather(o: _Options, sent, riding, n: int):
+    """Every worker's ``(values, indices)`` per sparse leaf, and the means of the riding
+    dense leaves: one all-gather per bucket of every leaf's values and indices."""
+    means = []  # of the dense leaves, when they ride
+    if o.axis_name is None:
+        return [(vals[None], idx[None]) for vals, idx in sent], means
+    flat = buckets.bucketed_all_gather(
+        [x for pair in sent for x in pair] + riding, o.axis_name, o.bucket_bytes
+    )
+    pairs, rows = flat[: 2 * len(sent)], flat[2 * len(sent) :]
+    received = list(zip(pairs[::2], pairs[1::2]))
+    means = [buckets.sum_rows(x) / jnp.asarray(n, x.dtype) for x in rows]
+    return received, means
