@@ -140,34 +140,75 @@ def data_parallel(
                    wait_previous=wait_previous)  # fmt: skip
     if fn is None:
         return functools.partial(data_parallel, mesh=mesh, **options)
-    n = axis_size(mesh, axis_name)
-    state_of = worker_mask or state_mask
+    runner = _Runner(fn, mesh, **options)
 
-    def mask_of(tree):  # per-worker leaves
-        if batch_stats == "mean":
-            return state_of(tree)
+    def step(*args):
+        return runner.step(*args)
+
+    return step
+
+
+def _hint(path) -> str:
+    """How to lay out the per-worker state at ``path`` (for an argument without its axis)."""
+    if is_batch_stats(path):
+        return "Lay out per-worker batch statistics with jaxcomm.parallel.per_worker(tree, mesh)"
+    if any(getattr(k, "name", None) == "opt_state" for k in path):  # a flax TrainState
+        return (
+            "Build the TrainState's optimizer state with "
+            "state.replace(opt_state=jaxcomm.init_state(tx, params, mesh))"
+        )
+    return "Build the optimizer state with jaxcomm.init_state(tx, params, mesh)"
+
+
+class _Runner:
+    """What one :func:`data_parallel` step holds: its options, its compiled programs (one per
+    argument layout) and, with ``wait_previous``, the previous step's outputs."""
+
+    def __init__(
+        self,
+        fn,
+        mesh,
+        *,
+        axis_name,
+        batch_argnums,
+        mean_outputs,
+        batch_stats,
+        fold_keys,
+        donate_argnums,
+        worker_mask,
+        names,
+        check_replicas,
+        wait_previous,
+    ):
+        self.fn, self.mesh, self.axis_name, self.batch_argnums = fn, mesh, axis_name, batch_argnums
+        self.mean_outputs, self.batch_stats, self.fold_keys = mean_outputs, batch_stats, fold_keys
+        self.donate_argnums, self.names, self.check_replicas = donate_argnums, names, check_replicas
+        self.n = axis_size(mesh, axis_name)
+        self.state_of = worker_mask or state_mask
+        one_in_flight = wait_previous
+        if one_in_flight is None:
+            one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
+        self.one_in_flight = one_in_flight
+        self.compiled: dict[Any, tuple[set[int], Callable, list[str]]] = {}  # batch, step, names
+        self.last: Any = None
+
+    def mask_of(self, tree):
+        """The per-worker leaves of ``tree``: jaxcomm state (and per-worker batch stats)."""
+        if self.batch_stats == "mean":
+            return self.state_of(tree)
         bs = jax.tree_util.tree_map_with_path(lambda p, _: is_batch_stats(p), tree)
-        return jax.tree.map(lambda a, b: a or b, state_of(tree), bs)
+        return jax.tree.map(lambda a, b: a or b, self.state_of(tree), bs)
 
-    def hint(path):
-        if is_batch_stats(path):
-            return (
-                "Lay out per-worker batch statistics with jaxcomm.parallel.per_worker(tree, mesh)"
-            )
-        if any(getattr(k, "name", None) == "opt_state" for k in path):  # a flax TrainState
-            return (
-                "Build the TrainState's optimizer state with "
-                "state.replace(opt_state=jaxcomm.init_state(tx, params, mesh))"
-            )
-        return "Build the optimizer state with jaxcomm.init_state(tx, params, mesh)"
+    def make_local(self, masks, keys):
+        """One worker's step under ``shard_map``: per-worker state without its worker axis,
+        keys folded with the worker index; outputs averaged where asked."""
+        fn, axis_name, mean_outputs, mask_of = (
+            self.fn,
+            self.axis_name,
+            self.mean_outputs,
+            self.mask_of,
+        )
 
-    one_in_flight = wait_previous
-    if one_in_flight is None:
-        one_in_flight = mesh.devices.flat[0].platform == "cpu" and len(mesh.local_devices) > 1
-    compiled: dict[Any, tuple[set[int], Callable, list[str]]] = {}  # batch, step, names
-    last: list[Any] = [None]
-
-    def make_local(masks, keys):
         def local(*local_args):
             index = jax.lax.axis_index(axis_name)
             handed: dict[int, Any] = {}  # id of a folded key -> the key as handed in
@@ -206,17 +247,21 @@ def data_parallel(
 
         return local
 
-    def trace_errors(e):
+    def trace_errors(self, e):
+        """``e`` (raised while tracing the step) as a ValueError naming the mesh's axes."""
         bound = getattr(e, "axis_name", None)
         return ValueError(
-            f"{e}\ndata_parallel runs the step over the mesh axes {tuple(mesh.axis_names)} "
-            f"(workers on axis_name={axis_name!r})"
-            + (f"; build the transform with axis_name={axis_name!r}" if bound else "")
+            f"{e}\ndata_parallel runs the step over the mesh axes {tuple(self.mesh.axis_names)} "
+            f"(workers on axis_name={self.axis_name!r})"
+            + (f"; build the transform with axis_name={self.axis_name!r}" if bound else "")
         )
 
-    def build(args, masks, keys, arg_names):
+    def build(self, args, masks, keys, arg_names):
+        """Trace, check and jit the step for ``args``' layout: the batch's positions, the
+        jitted step and the names of the outputs returned as replicated."""
+        mesh, axis_name = self.mesh, self.axis_name
         spec = lambda m, batch=False: P(axis_name) if m or batch else P()  # noqa: E731
-        local = make_local(masks, keys)
+        local = self.make_local(masks, keys)
 
         def avals(batch):
             return tuple(
@@ -235,21 +280,21 @@ def data_parallel(
         try:
             shapes = jax.eval_shape(probe, *avals(()))
         except (collectives.UnboundAxisError, NameError) as e:
-            raise trace_errors(e) from None
-        if batch_argnums is None:
-            batch = find_batch(args, masks, keys, arg_names, shapes, n, axis_name)
+            raise self.trace_errors(e) from None
+        if self.batch_argnums is None:
+            batch = find_batch(args, masks, keys, arg_names, shapes, self.n, axis_name)
         else:
-            batch = resolve_batch(batch_argnums, arg_names, args, masks, n, axis_name)
+            batch = resolve_batch(self.batch_argnums, arg_names, args, masks, self.n, axis_name)
         outs = shapes if isinstance(shapes, tuple) else (shapes,)
-        specs = tuple(jax.tree.map(spec, mask_of(o)) for o in outs)
+        specs = tuple(jax.tree.map(spec, self.mask_of(o)) for o in outs)
         specs = specs if isinstance(shapes, tuple) else specs[0]
         # keys inside the batch are split with it, not folded
         keys = tuple(jax.tree.map(lambda _: False, k) if i in batch else k
                      for i, k in enumerate(keys))  # fmt: skip
-        local = make_local(masks, keys)
+        local = self.make_local(masks, keys)
         mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs(batch), out_specs=specs,
                                check_vma=False)  # fmt: skip
-        jitted = jax.jit(mapped, donate_argnums=tuple(donate_argnums))
+        jitted = jax.jit(mapped, donate_argnums=tuple(self.donate_argnums))
         traced = jitted.trace(*avals(batch))
         flat_batch = [i in batch for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
         flat_specs = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
@@ -261,47 +306,46 @@ def data_parallel(
         replicated = [s == P() for s in flat_specs]
         return batch, jitted, [name for (name, _), r in zip(out_names, replicated) if r]
 
-    def step(*args):
-        arg_names = tuple(names) if names is not None else param_names(fn, len(args))
-        state_masks = tuple(state_of(a) for a in args)
+    def step(self, *args):
+        """The data-parallel step on ``args`` (compiled once per layout)."""
+        arg_names = tuple(self.names) if self.names is not None else param_names(self.fn, len(args))
+        state_masks = tuple(self.state_of(a) for a in args)
         if not any(any(jax.tree.leaves(m)) for m in state_masks):
             raise ValueError(
                 "data_parallel: no jaxcomm transform's state among the step's arguments, so "
                 "nothing would exchange the gradients and the workers would drift apart; "
-                f"put a jaxcomm transform with axis_name={axis_name!r} first in the optimizer "
+                f"put a jaxcomm transform with axis_name={self.axis_name!r} first in the optimizer "
                 "chain and pass its state (jaxcomm.init_state; with flax nnx, "
                 "jaxcomm.flax.init_optimizer)"
             )
-        masks = tuple(mask_of(a) for a in args)
+        masks = tuple(self.mask_of(a) for a in args)
         leaves = jax.tree.leaves(args)
         cache_key = (
             jax.tree.structure(args),
             tuple((jnp.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves),
         )
-        if cache_key not in compiled:
-            check_worker_axes(args, masks, arg_names, n, hint)
+        if cache_key not in self.compiled:
+            check_worker_axes(args, masks, arg_names, self.n, _hint)
             keys = tuple(
                 jax.tree_util.tree_map_with_path(
                     lambda p, x, m, name=name: (
-                        fold_keys and not m and key_kind(leaf_name(name, p), x)
+                        self.fold_keys and not m and key_kind(leaf_name(name, p), x)
                     ),
                     a,
                     mk,
                 )
                 for name, a, mk in zip(arg_names, args, masks)
             )
-            compiled[cache_key] = build(args, masks, keys, arg_names)
-        batch, run, replicated_names = compiled[cache_key]
-        args = place(args, masks, batch, mesh, axis_name)
-        if one_in_flight and last[0] is not None:
-            jax.block_until_ready(last[0])
+            self.compiled[cache_key] = self.build(args, masks, keys, arg_names)
+        batch, run, replicated_names = self.compiled[cache_key]
+        args = place(args, masks, batch, self.mesh, self.axis_name)
+        if self.one_in_flight and self.last is not None:
+            jax.block_until_ready(self.last)
         out = run(*args)
-        last[0] = out if one_in_flight else None
-        if check_replicas:
-            _compare_copies(out, mask_of, replicated_names)
+        self.last = out if self.one_in_flight else None
+        if self.check_replicas:
+            _compare_copies(out, self.mask_of, replicated_names)
         return out
-
-    return step
 
 
 def _floating(x) -> bool:
