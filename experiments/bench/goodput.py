@@ -12,8 +12,8 @@ tiny GPT, seconds of training; its numbers say nothing about the study):
   python -m experiments.bench.goodput --replicas=2 --steps=300 --step_s=0.1 \
       --kill_every=10 --restart_after=1 --max_kills=1 --seq_len=32 --batch_size=4 \
       --test_windows=16 --model='{"dim": 32, "depth": 1, "heads": 2, "max_len": 32}' \
-      --heartbeat_timeout_ms=1000 --join_timeout_ms=5000 --out=/tmp/goodput.json \
-      --workdir=/tmp/goodput
+      --heartbeat_timeout_ms=1000 --join_timeout_ms=5000 --out=runs/goodput_smoke.json \
+      --workdir=runs/goodput_smoke
 
 What it measures, per side (``jaxcomm``: each replica a JAX program whose outer
 sync is :meth:`jaxcomm.ElasticDiLoCo.sync`, :mod:`experiments.bench.goodput_jax`;
