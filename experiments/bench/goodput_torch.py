@@ -80,7 +80,6 @@ def _build(args):
 def replica(args) -> None:
     """Train as replica ``args.replica`` until the data position reaches the schedule's end."""
     import torch
-    from torchft.local_sgd import DiLoCo
 
     from experiments.bench import torch_lm, torch_lm_ft
     from jaxcomm.elastic import gloo_manager
@@ -105,11 +104,7 @@ def replica(args) -> None:
 
     manager.register_state_dict_fn("train", load, save)
     rec = _Recorder(manager)
-    parts = torch_lm_ft.fragments(model, s["fragments"])
-    outer = [torch.optim.SGD(p.parameters(), lr=s["outer_learning_rate"], momentum=0.9,
-                             nesterov=True) for p in parts]  # fmt: skip
-    loop = DiLoCo(manager, parts, opt, outer, sync_every=s["every"],
-                  fragment_sync_delay=s["delay"], fragment_update_alpha=s["mix"])  # fmt: skip
+    loop = torch_lm_ft.outer_loop(model, opt, manager, s)
     log = workload.Log(args.run_dir, args.replica, args.incarnation)
     log.write(event="ready")
     if args.incarnation == 0:  # the job starts with every replica up (a restart joins alone)

@@ -85,7 +85,6 @@ def diloco(model: torch_lm.GPT, inner: torch.optim.Optimizer, hook: str, counter
     os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum at info
     logging.getLogger("torchft").setLevel(logging.WARNING)
     from torchft.coordination import LighthouseServer
-    from torchft.local_sgd import DiLoCo
 
     from jaxcomm.elastic import gloo_manager
 
@@ -107,14 +106,20 @@ def diloco(model: torch_lm.GPT, inner: torch.optim.Optimizer, hook: str, counter
         return sent(tensor, *args, **kwargs)
 
     manager.allreduce = counted
-    s = settings(hook)
+    return outer_loop(model, inner, manager, settings(hook)), manager, server
+
+
+def outer_loop(model: torch_lm.GPT, inner: torch.optim.Optimizer, manager: Any, s: dict) -> Any:
+    """torchft's ``DiLoCo`` over ``model`` at the settings ``s`` (:func:`settings`): jaxcomm's
+    fragments, one outer Nesterov SGD (momentum 0.9) per fragment."""
+    from torchft.local_sgd import DiLoCo
+
     parts = fragments(model, s["fragments"])
     outer = [
         torch.optim.SGD(p.parameters(), lr=s["outer_learning_rate"], momentum=0.9, nesterov=True)
         for p in parts
     ]
-    loop = DiLoCo(
+    return DiLoCo(
         manager, parts, inner, outer, sync_every=s["every"],
         fragment_sync_delay=s["delay"], fragment_update_alpha=s["mix"],
     )  # fmt: skip
-    return loop, manager, server
