@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import checks
+from jaxcomm import checks, core
+from jaxcomm.compressors.sign import ScaledSign
 
 
 def check_adam_args(b1: Any, b2: Any, eps: Any, weight_decay: Any) -> float:
@@ -43,3 +44,19 @@ def all_finite(*trees: Any) -> jax.Array:
 def keep(ok: jax.Array, new: Any, old: Any) -> Any:
     """``new`` where ``ok``, else ``old`` (leaf by leaf): the NaN rule's state."""
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def momentum_exchange(axis_name, min_size, bucket_bytes, exchange) -> optax.GradientTransformation:
+    """1-bit and 0/1 Adam's compressed momentum exchange: the scaled sign with worker and
+    server residuals (fp32 state)."""
+    # The scale is the mean magnitude (the least-squares scale of a sign vector, as in
+    # EF-SignSGD); DeepSpeed's OnebitAdam uses ||x||_2 / sqrt(d). No bias correction in
+    # the update, as in the paper and DeepSpeed's OnebitAdam.
+    return core.compress(
+        ScaledSign(),
+        axis_name=axis_name,
+        min_size=min_size,
+        bucket_bytes=bucket_bytes,
+        exchange=exchange,
+        state_dtype=jnp.float32,
+    )

@@ -12,7 +12,6 @@ import optax
 from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
 from jaxcomm.collectives import AxisName
-from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.optim import common
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
@@ -96,7 +95,7 @@ def onebit_adam(
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comm_tx = _momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
+    comm_tx = common.momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
 
     def init_fn(params):
         return _init(comm_tx, params)
@@ -118,21 +117,6 @@ def onebit_adam(
         return out, _next_state(state, mu, nu, comm)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _momentum_exchange(axis_name, min_size, bucket_bytes, exchange):
-    """The compressed exchange of the momentum: scaled sign with worker and server residuals."""
-    # The scale is the mean magnitude (the least-squares scale of a sign vector, as in
-    # EF-SignSGD); DeepSpeed's OnebitAdam uses ||x||_2 / sqrt(d). No bias correction in
-    # the update, as in the paper and DeepSpeed's OnebitAdam.
-    return core.compress(
-        ScaledSign(),
-        axis_name=axis_name,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        exchange=exchange,
-        state_dtype=jnp.float32,
-    )
 
 
 def _init(comm_tx: optax.GradientTransformation, params) -> OnebitAdamState:

@@ -76,7 +76,6 @@ import optax
 from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
 from jaxcomm.collectives import AxisName
-from jaxcomm.compressors.sign import ScaledSign
 from jaxcomm.optim import common
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
@@ -188,7 +187,7 @@ def zero_one_adam(
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
     axis_name = collectives.check_axis_name(axis_name)
     bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comm_tx = _momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
+    comm_tx = common.momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
     schedule = (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
     o = _Options(b1, b2, eps, weight_decay, axis_name, bucket_bytes, comm_tx, *schedule)
 
@@ -219,19 +218,6 @@ class _Options(NamedTuple):
     var_update_scaler: int
     local_step_scaler: int
     local_step_clipper: int
-
-
-def _momentum_exchange(axis_name, min_size, bucket_bytes, exchange):
-    """The 1-bit compressed exchange: scaled sign with worker and server residuals."""
-    # The scale of the sign is the mean magnitude (DeepSpeed: ||x||_2 / sqrt(d)).
-    return core.compress(
-        ScaledSign(),
-        axis_name=axis_name,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        exchange=exchange,
-        state_dtype=jnp.float32,
-    )
 
 
 def _init(comm_tx: optax.GradientTransformation, params) -> ZeroOneAdamState:
