@@ -26,8 +26,16 @@ from jaxcomm.ledger import AxisName
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
-else:  # pragma: no cover - Python 3.10
-    from typing_extensions import Unpack
+else:  # pragma: no cover - Python 3.10 has no typing.Unpack
+
+    class Unpack:
+        """``Unpack[Options]`` on Python 3.10, where ``typing`` has no ``Unpack``: the
+        annotation evaluates to ``Options`` (no ``typing_extensions``: jaxcomm's runtime
+        dependencies stay jax, optax and numpy)."""
+
+        def __class_getitem__(cls, item: Any) -> Any:
+            return item
+
 
 if TYPE_CHECKING:
     import jax

@@ -9,8 +9,8 @@ import optax
 from jax import lax
 
 from jaxcomm import collectives, core, ledger
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.collectives import AxisName
+from jaxcomm.options import Options, Unpack, take
 
 
 class DenseState(core.CompressState):
@@ -40,17 +40,14 @@ class Dense(core.CompressorBase):
         return d * collectives.moved_itemsize(dtype)  # bf16 sums move 4 bytes on XLA:CPU
 
 
-def allreduce(
-    *,
-    axis_name: AxisName | None = None,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-) -> optax.GradientTransformation:
+def allreduce(**options: Unpack[Options]) -> optax.GradientTransformation:
     """Dense mean over workers: the uncompressed baseline (one all-reduce per leaf).
 
+    ``axis_name=None`` returns the updates as they are. No error feedback
+    (nothing is lost) and no ``min_size``: every leaf is summed.
+
     Args:
-      axis_name: mesh axis to average over; ``None`` returns the updates as
-        they are.
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``bucket_bytes``: see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; wire bytes = 4 per fp32 entry.
@@ -58,9 +55,8 @@ def allreduce(
     Example:
       >>> tx = optax.chain(jaxcomm.allreduce(axis_name="data"), optax.sgd(0.1))
     """
-    return core.compress(
-        Dense(), axis_name=axis_name, error_feedback=False, min_size=0, bucket_bytes=bucket_bytes
-    )
+    o = take("allreduce", options, ("axis_name", "bucket_bytes"))
+    return core.compress(Dense(), **o, error_feedback=False, min_size=0)
 
 
 _CAST_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -161,15 +157,7 @@ def _cast_dtype(dtype: Any) -> Any:
 
 
 def cast(
-    dtype: Any = jnp.bfloat16,
-    *,
-    axis_name: AxisName | None = None,
-    accumulate: str = "auto",
-    error_feedback: bool = False,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
+    dtype: Any = jnp.bfloat16, *, accumulate: str = "auto", **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
@@ -179,7 +167,6 @@ def cast(
 
     Args:
       dtype: ``jnp.bfloat16`` (default) or ``jnp.float16`` (or their names).
-      axis_name: mesh axis to average over; ``None`` rounds locally.
       accumulate: ``"psum"``: one all-reduce in the 16-bit dtype (fp16 sends
         ``g / n``: no overflow when every ``|g|`` fits fp16, entries below
         ~6e-8·n underflow to zero). ``"all_gather"``: ``uint16`` bits over
@@ -191,17 +178,15 @@ def cast(
         to move an error-feedback checkpoint between CPU and GPU/TPU runs:
         from 3 workers the CPU choice keeps a server residual
         (``state.server``) that the psum does not have.
-      error_feedback: keep the rounding error in a residual.
-      min_size: leaves with fewer entries are averaged in their own dtype.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: ``"auto"`` (default), ``"gather"``, ``"two_phase"`` or
-        ``"reduce_scatter"`` (see :func:`jaxcomm.compress`). With
-        ``accumulate="psum"`` only the one all-reduce (``"auto"`` or
-        ``"gather"``). With ``"all_gather"``, ``"auto"`` takes the one that
-        moves fewer bytes for the axis size: the uint16 all-gather on 2
-        workers, two-phase (uint16 both ways, summed in float32) on more;
-        force ``"gather"`` where compute bounds the step.
+      **options: ``axis_name`` (``None`` rounds locally), ``error_feedback``
+        (default ``False``; keeps the rounding error), ``min_size``,
+        ``state_dtype``, ``bucket_bytes``, ``exchange``: see
+        :class:`jaxcomm.options.Options`. With ``accumulate="psum"`` the
+        exchange is the one all-reduce (``"auto"`` or ``"gather"``); with
+        ``"all_gather"``, ``exchange="auto"`` takes the one that moves fewer
+        bytes for the axis size: the uint16 all-gather on 2 workers,
+        two-phase (uint16 both ways, summed in float32) on more; force
+        ``"gather"`` where compute bounds the step.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their input dtype.
@@ -212,20 +197,19 @@ def cast(
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740.
     """
+    o = take(
+        "cast",
+        options,
+        ("axis_name", "error_feedback", "min_size", "state_dtype", "bucket_bytes", "exchange"),
+        error_feedback=False,
+    )
+    axis_name, exchange = o["axis_name"], o["exchange"]
     resolved = _cast_dtype(dtype)
     if accumulate not in ("auto", "psum", "all_gather"):
         raise ValueError(f"accumulate: expected 'auto', 'psum' or 'all_gather', got {accumulate!r}")
 
     def build(acc: str) -> optax.GradientTransformation:
-        return core.compress(
-            Cast(resolved, acc, axis_name),
-            axis_name=axis_name,
-            error_feedback=error_feedback,
-            min_size=min_size,
-            bucket_bytes=bucket_bytes,
-            state_dtype=state_dtype,
-            exchange=exchange,
-        )
+        return core.compress(Cast(resolved, acc, axis_name), **o)
 
     if accumulate == "auto" and (axis_name is None or exchange not in ("auto", "gather")):
         accumulate = "psum" if axis_name is None else "all_gather"

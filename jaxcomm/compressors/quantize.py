@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm import checks, collectives, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.collectives import AxisName, check_axis_name
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import UNROLL as UNROLL  # where tests and benchmarks read it
@@ -29,8 +28,20 @@ from jaxcomm.compressors.blocks import (
     sum_over_workers,
     unbucket,
 )
+from jaxcomm.options import Options, Unpack, take
 
 MAX_LEVELS = 65535  # QSGD levels: at most 16 level bits + 1 sign bit per entry
+
+# the options of jaxcomm.options.Options that int8, qsgd and terngrad take
+_QUANTISER_OPTIONS = (
+    "axis_name",
+    "key",
+    "error_feedback",
+    "min_size",
+    "state_dtype",
+    "bucket_bytes",
+    "exchange",
+)
 
 
 # --- int8 ---------------------------------------------------------------------------
@@ -86,16 +97,7 @@ class Int8(core.CompressorBase):
 
 
 def int8(
-    *,
-    bucket_size: int = 512,
-    stochastic: bool = True,
-    key: jax.Array | None = None,
-    axis_name: AxisName | None = None,
-    error_feedback: bool = False,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
+    *, bucket_size: int = 512, stochastic: bool = True, **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """Int8 quantisation with one max-abs scale per bucket (1 byte per entry).
 
@@ -113,14 +115,10 @@ def int8(
       bucket_size: entries sharing one scale, >= 1.
       stochastic: stochastic (unbiased) rounding; ``False`` rounds to nearest
         (deterministic, biased, no key needed).
-      key: PRNG key, required when ``stochastic``; workers draw independent
-        rounding noise (the key is folded with the worker index).
-      axis_name: mesh axis to average over; ``None`` quantises locally.
-      error_feedback: keep the rounding error in a residual.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``key`` (required when ``stochastic``; workers
+        draw independent rounding noise), ``error_feedback`` (default
+        ``False``), ``min_size``, ``state_dtype``, ``bucket_bytes``,
+        ``exchange``: see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -134,19 +132,11 @@ def int8(
       ICLR 2016, arXiv:1511.04561. Gupta et al., "Deep Learning with Limited
       Numerical Precision" (stochastic rounding), ICML 2015, arXiv:1502.02551.
     """
+    o = take("int8", options, _QUANTISER_OPTIONS, error_feedback=False)
     bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
     if stochastic:
-        require_key(key, "when stochastic=True (or pass stochastic=False)")
-    return core.compress(
-        Int8(bucket_size, bool(stochastic)),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        key=key,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+        require_key(o["key"], "when stochastic=True (or pass stochastic=False)")
+    return core.compress(Int8(bucket_size, bool(stochastic)), **o)
 
 
 # --- QSGD ---------------------------------------------------------------------------
@@ -205,16 +195,7 @@ class QSGD(core.CompressorBase):
 
 
 def qsgd(
-    levels: int = 16,
-    *,
-    bucket_size: int = 512,
-    key: jax.Array,
-    axis_name: AxisName | None = None,
-    error_feedback: bool = False,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
+    levels: int = 16, *, bucket_size: int = 512, **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """QSGD: unbiased stochastic quantisation to ``levels`` levels per bucket.
 
@@ -232,14 +213,10 @@ def qsgd(
     Args:
       levels: number of levels s, in [1, 65535] (s=1: ternary, ~2 bits).
       bucket_size: entries sharing one norm, >= 1 (512 as in the paper).
-      key: PRNG key (required); workers draw independent noise.
-      axis_name: mesh axis to average over; ``None`` quantises locally.
-      error_feedback: keep the quantisation error in a residual (the plain
-        method, unbiased, has none).
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``key`` (required; workers draw independent
+        noise), ``error_feedback`` (default ``False``: the plain method,
+        unbiased, has none), ``min_size``, ``state_dtype``, ``bucket_bytes``,
+        ``exchange``: see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -252,19 +229,11 @@ def qsgd(
       Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
       Quantization and Encoding", NeurIPS 2017, arXiv:1610.02132.
     """
+    o = take("qsgd", options, _QUANTISER_OPTIONS, error_feedback=False)
     levels = checks.check_int(levels, "levels", 1, MAX_LEVELS)
     bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
-    require_key(key, "for qsgd")
-    return core.compress(
-        QSGD(levels, bucket_size),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        key=key,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    require_key(o["key"], "for qsgd")
+    return core.compress(QSGD(levels, bucket_size), **o)
 
 
 # --- TernGrad -----------------------------------------------------------------------
@@ -378,16 +347,7 @@ class TernGrad(core.CompressorBase):
 
 
 def terngrad(
-    *,
-    key: jax.Array,
-    axis_name: AxisName | None = None,
-    clip_sigma: float | None = 2.5,
-    share_scale: bool = True,
-    error_feedback: bool = False,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
+    *, clip_sigma: float | None = 2.5, share_scale: bool = True, **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """TernGrad: unbiased ternary gradients ``s·sign(g)·b``, ``b ~ Bernoulli(|g|/s)``.
 
@@ -410,18 +370,16 @@ def terngrad(
     (all-reduce); else ``4·ceil(d/16) + 4`` bytes (all-gather).
 
     Args:
-      key: PRNG key (required); workers draw independent Bernoulli noise.
-      axis_name: mesh axis to average over; ``None`` ternarises locally.
       clip_sigma: clip each leaf at ``clip_sigma`` standard deviations before
         ternarising (2.5 in the paper), > 0; ``None`` disables clipping.
       share_scale: agree on one scale across workers and psum the codes.
-      error_feedback: keep ``p − g̃`` (clipping loss included) in a residual.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
-        With ``share_scale`` the codes are summed: ``"auto"`` is that one
-        all-reduce (only ``"gather"``/``"auto"`` are accepted).
+      **options: ``axis_name``, ``key`` (required; workers draw independent
+        Bernoulli noise), ``error_feedback`` (default ``False``; keeps
+        ``p − g̃``, clipping loss included), ``min_size``, ``state_dtype``,
+        ``bucket_bytes``, ``exchange`` (with ``share_scale`` the codes are
+        summed: ``"auto"`` is that one all-reduce, and only
+        ``"gather"``/``"auto"`` are accepted): see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -434,19 +392,12 @@ def terngrad(
       Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
       Distributed Deep Learning", NeurIPS 2017, arXiv:1705.07878.
     """
-    require_key(key, "for terngrad")
+    o = take("terngrad", options, _QUANTISER_OPTIONS, error_feedback=False)
+    require_key(o["key"], "for terngrad")
     if clip_sigma is not None:
         clip_sigma = checks.check_positive(clip_sigma, "clip_sigma")
-    return core.compress(
-        TernGrad(clip_sigma, bool(share_scale), check_axis_name(axis_name)),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        key=key,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    codec = TernGrad(clip_sigma, bool(share_scale), check_axis_name(o["axis_name"]))
+    return core.compress(codec, **o)
 
 
 __all__ = ["int8", "qsgd", "terngrad", "Int8", "QSGD", "TernGrad"]

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm import checks, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
 from jaxcomm.collectives import AxisName, check_axis_name
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import (
@@ -26,6 +25,7 @@ from jaxcomm.compressors.blocks import (
 )
 from jaxcomm.compressors.twobit import TwoBit, TwoBitServer, twobit
 from jaxcomm.compressors.twobit import TwoBitState as TwoBitState
+from jaxcomm.options import Options, Unpack, take
 
 
 def _sign_words(p: jnp.ndarray) -> jnp.ndarray:
@@ -36,6 +36,17 @@ def _sign_words(p: jnp.ndarray) -> jnp.ndarray:
 def _signs(words: jnp.ndarray, d: int) -> jnp.ndarray:
     """``(..., nw)`` words -> ``(..., d)`` bool, True where the entry was negative."""
     return packing.unpack(words, 1, d) == 1
+
+
+# the options of jaxcomm.options.Options that onebit and ef_sign take
+_SIGN_OPTIONS = (
+    "axis_name",
+    "error_feedback",
+    "min_size",
+    "state_dtype",
+    "bucket_bytes",
+    "exchange",
+)
 
 
 # --- 1-bit SGD ----------------------------------------------------------------------
@@ -94,14 +105,7 @@ class OneBit(core.CompressorBase):
 
 
 def onebit(
-    *,
-    axis_name: AxisName | None = None,
-    bucket_size: int | None = None,
-    error_feedback: bool = True,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
+    *, bucket_size: int | None = None, **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """1-bit SGD: signs with two reconstruction values, error feedback on.
 
@@ -118,14 +122,11 @@ def onebit(
     ~1/32 of fp32.
 
     Args:
-      axis_name: mesh axis to average over; ``None`` quantises locally.
       bucket_size: entries sharing one pair of values, >= 1; ``None``: the leaf.
-      error_feedback: keep ``p − p̂`` in a residual (the method relies on it;
-        turn off only to study its effect).
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``error_feedback`` (keeps ``p − p̂``: the
+        method relies on it; turn off only to study its effect),
+        ``min_size``, ``state_dtype``, ``bucket_bytes``, ``exchange``: see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -137,17 +138,10 @@ def onebit(
       Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
       Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
     """
+    o = take("onebit", options, _SIGN_OPTIONS)
     if bucket_size is not None:
         bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
-    return core.compress(
-        OneBit(bucket_size),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    return core.compress(OneBit(bucket_size), **o)
 
 
 # --- EF-SignSGD ---------------------------------------------------------------------
@@ -184,15 +178,7 @@ class ScaledSign(core.CompressorBase):
         return sum_over_workers(one, payload).astype(dtype)
 
 
-def ef_sign(
-    *,
-    axis_name: AxisName | None = None,
-    error_feedback: bool = True,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
-) -> optax.GradientTransformation:
+def ef_sign(**options: Unpack[Options]) -> optax.GradientTransformation:
     """EF-SignSGD: the scaled sign ``(‖p‖₁/d)·sign(p)`` with error feedback.
 
     Rule (Karimireddy et al. 2019), per leaf of d entries: ``p = g + e``;
@@ -204,13 +190,10 @@ def ef_sign(
     words + one float32 scale), all-gathered: ~1/32 of fp32.
 
     Args:
-      axis_name: mesh axis to average over; ``None`` compresses locally.
-      error_feedback: keep ``p − C(p)`` in a residual. ``False`` gives plain
-        scaled signSGD, which Karimireddy et al. show can fail to converge.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``error_feedback`` (keeps ``p − C(p)``;
+        ``False`` gives plain scaled signSGD, which Karimireddy et al. show
+        can fail to converge), ``min_size``, ``state_dtype``,
+        ``bucket_bytes``, ``exchange``: see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -222,15 +205,7 @@ def ef_sign(
       Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
       Compression Schemes", ICML 2019, arXiv:1901.09847.
     """
-    return core.compress(
-        ScaledSign(),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    return core.compress(ScaledSign(), **take("ef_sign", options, _SIGN_OPTIONS))
 
 
 # --- signSGD with majority vote -----------------------------------------------------
@@ -285,13 +260,7 @@ class MajorityVote(core.CompressorBase):
         return 4 * packing.packed_size(d, vote_field_bits(n_workers), aligned=True)
 
 
-def sign_majority(
-    *,
-    axis_name: AxisName | None = None,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-) -> optax.GradientTransformation:
+def sign_majority(**options: Unpack[Options]) -> optax.GradientTransformation:
     """signSGD with majority vote: every worker gets ``sign(Σ_w sign(g_w))``.
 
     Rule (Bernstein et al. 2018): each worker sends ``sign(g)`` (−1, 0, +1);
@@ -313,10 +282,11 @@ def sign_majority(
     Wire per worker per leaf: ``4·ceil(d/⌊32/w⌋)`` bytes, all-reduced.
 
     Args:
-      axis_name: mesh axis to vote over; ``None`` returns ``sign(g)``.
-      min_size: leaves with fewer entries are averaged densely (not signed).
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name`` (the axis to vote over; ``None`` returns
+        ``sign(g)``), ``min_size`` (smaller leaves are averaged densely, not
+        signed), ``state_dtype``, ``bucket_bytes``: see
+        :class:`jaxcomm.options.Options`. No ``error_feedback`` (always off)
+        and no ``exchange`` (the one all-reduce).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -330,15 +300,9 @@ def sign_majority(
       Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019,
       arXiv:1810.05291.
     """
-    axis_name = check_axis_name(axis_name)
-    return core.compress(
-        MajorityVote(axis_name),
-        axis_name=axis_name,
-        error_feedback=False,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-    )
+    o = take("sign_majority", options, ("axis_name", "min_size", "state_dtype", "bucket_bytes"))
+    o["axis_name"] = check_axis_name(o["axis_name"])
+    return core.compress(MajorityVote(o["axis_name"]), **o, error_feedback=False)
 
 
 __all__ = [

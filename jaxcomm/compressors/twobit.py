@@ -4,16 +4,13 @@ with error feedback; a worker-summed variant with a server's second residual
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import optax
 
 from jaxcomm import checks, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
-from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import sum_over_workers
+from jaxcomm.options import Options, Unpack, take
 
 
 class TwoBitState(core.CompressState):
@@ -105,15 +102,7 @@ class TwoBitServer(core.CompressorBase):
         return sum_over_workers(one, payload).astype(dtype)
 
 
-def twobit(
-    threshold: float = 0.5,
-    *,
-    axis_name: AxisName | None = None,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-    exchange: str = "auto",
-) -> optax.GradientTransformation:
+def twobit(threshold: float = 0.5, **options: Unpack[Options]) -> optax.GradientTransformation:
     """MXNet's 2-bit gradient compression with a residual.
 
     Rule (MXNet kvstore ``type='2bit'``), per entry with threshold τ:
@@ -139,11 +128,9 @@ def twobit(
 
     Args:
       threshold: τ > 0.
-      axis_name: mesh axis to average over; ``None`` quantises locally.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
-      exchange: how payloads travel, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``min_size``, ``state_dtype``,
+        ``bucket_bytes``, ``exchange``: see :class:`jaxcomm.options.Options`.
+        No ``error_feedback``: the residual is the method (always on).
 
     Returns:
       An ``optax.GradientTransformation``; updates keep their dtype.
@@ -156,13 +143,7 @@ def twobit(
       type '2bit'), 2017. Strom, "Scalable Distributed DNN Training Using
       Commodity GPU Cloud Computing", Interspeech 2015.
     """
+    names = ("axis_name", "min_size", "state_dtype", "bucket_bytes", "exchange")
+    o = take("twobit", options, names)
     threshold = checks.check_positive(threshold, "threshold")
-    return core.compress(
-        TwoBit(threshold),
-        axis_name=axis_name,
-        error_feedback=True,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-        exchange=exchange,
-    )
+    return core.compress(TwoBit(threshold), **o, error_feedback=True)

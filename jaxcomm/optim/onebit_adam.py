@@ -11,8 +11,8 @@ import optax
 
 from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
-from jaxcomm.collectives import AxisName
 from jaxcomm.optim import common
+from jaxcomm.options import Options, Unpack, take
 
 __all__ = ["OnebitAdamState", "onebit_adam"]
 
@@ -45,11 +45,8 @@ def onebit_adam(
     eps: float = 1e-8,
     *,
     warmup_steps: int = 100,
-    axis_name: AxisName | None = None,
     weight_decay: float = 0.0,
-    exchange: str = "auto",
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
+    **options: Unpack[Options],
 ) -> optax.GradientTransformation:
     """1-bit Adam (Tang et al. 2021): Adam, then 1-bit compressed momentum with a frozen variance.
 
@@ -74,11 +71,12 @@ def onebit_adam(
       warmup_steps: dense Adam steps before the variance is frozen, an int
         >= 0. The paper uses ~15-25% of training (e.g. 16% for BERT-Large);
         the variance must have settled.
-      axis_name: mesh axis to average over; ``None``: one worker (compressed locally).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
-      exchange: ``"auto"``, ``"two_phase"`` or ``"gather"`` (see :func:`jaxcomm.compress`).
-      min_size: leaves with fewer entries have their momentum averaged densely.
-      bucket_bytes: tensor fusion of every collective, as elsewhere.
+      **options: ``axis_name`` (``None``: one worker, compressed locally),
+        ``exchange`` (``"auto"``, ``"two_phase"`` or ``"gather"``),
+        ``min_size`` (smaller leaves have their momentum averaged densely),
+        ``bucket_bytes`` (of every collective): see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An optimizer (``optax.GradientTransformation`` returning the parameter
@@ -91,11 +89,12 @@ def onebit_adam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
       with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888.
     """
+    o = take("onebit_adam", options, ("axis_name", "exchange", "min_size", "bucket_bytes"))
     warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
-    axis_name = collectives.check_axis_name(axis_name)
-    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comm_tx = common.momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
+    axis_name = collectives.check_axis_name(o["axis_name"])
+    bucket_bytes = buckets.check_bucket_bytes(o["bucket_bytes"])
+    comm_tx = common.momentum_exchange(axis_name, o["min_size"], bucket_bytes, o["exchange"])
 
     def init_fn(params):
         return _init(comm_tx, params)

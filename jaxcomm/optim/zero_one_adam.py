@@ -75,8 +75,8 @@ import optax
 
 from jaxcomm import buckets, checks, collectives, core
 from jaxcomm.branches import typed_cond
-from jaxcomm.collectives import AxisName
 from jaxcomm.optim import common
+from jaxcomm.options import Options, Unpack, take
 
 __all__ = ["ZeroOneAdamState", "zero_one_adam"]
 
@@ -132,11 +132,8 @@ def zero_one_adam(
     var_update_scaler: int = 16,
     local_step_scaler: int = 32678,
     local_step_clipper: int = 16,
-    axis_name: AxisName | None = None,
     weight_decay: float = 0.0,
-    exchange: str = "auto",
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
+    **options: Unpack[Options],
 ) -> optax.GradientTransformation:
     """0/1 Adam (Lu et al. 2022): a thinning variance schedule, 1-bit exchanges, local steps.
 
@@ -163,11 +160,11 @@ def zero_one_adam(
       local_step_scaler: steps after freezing per local interval before it
         doubles, an int >= 1.
       local_step_clipper: largest local interval (H), an int >= 1.
-      axis_name: mesh axis to average over; ``None``: one worker (compressed locally).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
-      exchange: ``"auto"``, ``"two_phase"`` or ``"gather"`` (see :func:`jaxcomm.compress`).
-      min_size: leaves with fewer entries are averaged densely instead.
-      bucket_bytes: tensor fusion of every collective, as elsewhere.
+      **options: ``axis_name`` (``None``: one worker, compressed locally),
+        ``exchange`` (``"auto"``, ``"two_phase"`` or ``"gather"``),
+        ``min_size``, ``bucket_bytes`` (of every collective): see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An optimizer (``optax.GradientTransformation``) with :class:`ZeroOneAdamState`.
@@ -180,14 +177,15 @@ def zero_one_adam(
       Lu, Li, Zhang, Yao, He, "Maximizing Communication Efficiency for
       Large-scale Training via 0/1 Adam", ICLR 2023, arXiv:2202.06009.
     """
+    opts = take("zero_one_adam", options, ("axis_name", "exchange", "min_size", "bucket_bytes"))
     var_freeze_step = checks.check_int(var_freeze_step, "var_freeze_step", 0)
     var_update_scaler = checks.check_int(var_update_scaler, "var_update_scaler", 1)
     local_step_scaler = checks.check_int(local_step_scaler, "local_step_scaler", 1)
     local_step_clipper = checks.check_int(local_step_clipper, "local_step_clipper", 1)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)
-    axis_name = collectives.check_axis_name(axis_name)
-    bucket_bytes = buckets.check_bucket_bytes(bucket_bytes)
-    comm_tx = common.momentum_exchange(axis_name, min_size, bucket_bytes, exchange)
+    axis_name = collectives.check_axis_name(opts["axis_name"])
+    bucket_bytes = buckets.check_bucket_bytes(opts["bucket_bytes"])
+    comm_tx = common.momentum_exchange(axis_name, opts["min_size"], bucket_bytes, opts["exchange"])
     schedule = (var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper)
     o = _Options(b1, b2, eps, weight_decay, axis_name, bucket_bytes, comm_tx, *schedule)
 

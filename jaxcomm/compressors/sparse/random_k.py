@@ -11,9 +11,9 @@ import numpy as np
 import optax
 
 from jaxcomm import checks, collectives, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
-from jaxcomm.collectives import AxisName
+from jaxcomm.compressors.blocks import require_key
 from jaxcomm.compressors.sparse.base import SparseCompressor, scatter_add
+from jaxcomm.options import Options, Unpack, take
 
 
 class RandomKState(core.CompressState):
@@ -125,14 +125,9 @@ class RandomK(SparseCompressor):
 def randomk(
     ratio: float,
     *,
-    key: jax.Array,
-    axis_name: AxisName | None = None,
-    error_feedback: bool = True,
     shared_indices: bool = True,
     sampling: str = "uniform",
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
+    **options: Unpack[Options],
 ) -> optax.GradientTransformation:
     """Random-k sparsification.
 
@@ -146,16 +141,14 @@ def randomk(
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
-      key: PRNG key (``jax.random.key(0)``); stored in the state, split each step.
-      axis_name: mesh axis to average over; ``None`` sparsifies locally.
-      error_feedback: keep unsent entries in a residual; if False, rescale.
       shared_indices: same indices on every worker (psum of values only).
       sampling: ``"uniform"`` (k without replacement; costs a permutation of
         d) or ``"stratified"`` (one uniform index in each of k equal strata;
         costs k random numbers). See :class:`RandomK`.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``key`` (required; stored in the state, split each step),
+        ``axis_name``, ``error_feedback`` (keeps unsent entries; if
+        ``False``, rescale), ``min_size``, ``state_dtype``, ``bucket_bytes``:
+        see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -169,20 +162,15 @@ def randomk(
       Wangni et al., "Gradient Sparsification for Communication-Efficient
       Distributed Optimization", NeurIPS 2018, arXiv:1710.09854.
     """
+    names = ("key", "axis_name", "error_feedback", "min_size", "state_dtype", "bucket_bytes")
+    o = take("randomk", options, names)
+    require_key(o["key"], "for randomk")
     if sampling not in ("uniform", "stratified"):
         raise ValueError(f"sampling: expected 'uniform' or 'stratified', got {sampling!r}")
     comp = RandomK(
         checks.check_ratio(ratio),
         shared=bool(shared_indices),
-        rescale=not error_feedback,
+        rescale=not o["error_feedback"],
         sampling=sampling,
     )
-    return core.compress(
-        comp,
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        key=key,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-    )
+    return core.compress(comp, **o)

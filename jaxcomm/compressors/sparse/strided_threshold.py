@@ -13,10 +13,9 @@ import optax
 from jax import lax
 
 from jaxcomm import checks, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
-from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import selection
 from jaxcomm.compressors.sparse.base import SparseCompressor, decode_mean_checked
+from jaxcomm.options import Options, Unpack, take
 
 # The sampled threshold sits at the sample's ceil(1.25·k_s)-th largest (k_s its
 # share of the top-ratio): a threshold from >= 32 kept sample entries varies
@@ -135,14 +134,7 @@ class Threshold(SparseCompressor):
 
 
 def threshold(
-    ratio: float,
-    *,
-    axis_name: AxisName | None = None,
-    sample_ratio: float | None = 0.01,
-    error_feedback: bool = True,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
+    ratio: float, *, sample_ratio: float | None = 0.01, **options: Unpack[Options]
 ) -> optax.GradientTransformation:
     """Fast sparsification: a sampled threshold and top-k among strided candidates.
 
@@ -183,15 +175,13 @@ def threshold(
 
     Args:
       ratio: fraction of entries kept (payload slots ≈ ratio·d), in (0, 1].
-      axis_name: mesh axis to average over; ``None`` sparsifies locally.
       sample_ratio: fraction of entries sampled for the threshold, in (0, 1],
         or ``None`` for no threshold. Raised where needed so that >= 32
         sampled entries reach the threshold (every entry when ``k < 64``).
-      error_feedback: keep unsent entries in a residual. Strongly advised:
-        without it, true top-k entries crowded out of their class are lost.
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``error_feedback`` (strongly advised:
+        without it, true top-k entries crowded out of their class are lost),
+        ``min_size``, ``state_dtype``, ``bucket_bytes``: see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -204,16 +194,11 @@ def threshold(
       Computing", Interspeech 2015. Lin et al., "Deep Gradient Compression",
       ICLR 2018, arXiv:1712.01887.
     """
+    names = ("axis_name", "error_feedback", "min_size", "state_dtype", "bucket_bytes")
+    o = take("threshold", options, names)
     if sample_ratio is not None:
         sample_ratio = checks.check_ratio(sample_ratio, "sample_ratio")
-    return core.compress(
-        Threshold(checks.check_ratio(ratio), sample_ratio),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-    )
+    return core.compress(Threshold(checks.check_ratio(ratio), sample_ratio), **o)
 
 
 def threshold_usage(

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import optax
 from jax import lax
 
 from jaxcomm import checks, core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
-from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.sparse.base import SparseCompressor, decode_mean_checked
+from jaxcomm.options import Options, Unpack, take
 
 
 class TopKState(core.CompressState):
@@ -46,16 +43,7 @@ class TopK(SparseCompressor):
         return jnp.all(jnp.isfinite(payload[0]))
 
 
-def topk(
-    ratio: float,
-    *,
-    axis_name: AxisName | None = None,
-    error_feedback: bool = True,
-    scope: str = "leaf",
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
-) -> optax.GradientTransformation:
+def topk(ratio: float, **options: Unpack[Options]) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback.
 
     Each worker keeps the ``k = max(1, ceil(ratio·d))`` largest-magnitude
@@ -66,13 +54,10 @@ def topk(
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
-      axis_name: mesh axis to average over; ``None`` sparsifies locally.
-      error_feedback: keep unsent entries in a residual (one model copy).
-      scope: ``"leaf"`` (k per leaf) or ``"global"`` (k of the whole
-        flattened tree of compressible leaves).
-      min_size: leaves with fewer entries are averaged densely.
-      state_dtype: dtype of the error-feedback residual (see :func:`jaxcomm.compress`).
-      bucket_bytes: tensor fusion, default ``"auto"`` (see :func:`jaxcomm.compress`).
+      **options: ``axis_name``, ``error_feedback``, ``scope`` (``"leaf"``: k
+        per leaf; ``"global"``: k of the whole flattened tree of compressible
+        leaves), ``min_size``, ``state_dtype``, ``bucket_bytes``: see
+        :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -85,12 +70,6 @@ def topk(
       EMNLP 2017, arXiv:1704.05021. Stich et al., "Sparsified SGD with Memory",
       NeurIPS 2018, arXiv:1809.07599.
     """
-    return core.compress(
-        TopK(checks.check_ratio(ratio)),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        scope=scope,
-        bucket_bytes=bucket_bytes,
-        state_dtype=state_dtype,
-    )
+    names = ("axis_name", "error_feedback", "scope", "min_size", "state_dtype", "bucket_bytes")
+    o = take("topk", options, names)
+    return core.compress(TopK(checks.check_ratio(ratio)), **o)
