@@ -25,20 +25,23 @@ block to a file and runs what this section promises):
 2. a state class of its own, derived from :class:`jaxcomm.core.CompressState`
    (so another transform's state is refused by name);
 3. a factory listed in the module's ``__all__``, returning
-   ``core.compress(codec, ...)``: the shared pipeline adds error feedback,
-   buckets, the exchange, the NaN rule and the byte ledger.
+   ``core.compress(codec, **o)``: the shared pipeline adds error feedback,
+   buckets, the exchange, the NaN rule and the byte ledger. The factory
+   names its codec's own arguments (none for fp8) and takes the common
+   options as ``**options: Unpack[Options]``; :func:`jaxcomm.options.take`
+   resolves the ones it takes (and refuses any other, naming the factory),
+   and its docstring lists them on one ``**options:`` line
+   (:class:`jaxcomm.options.Options` documents each).
 
 ```python
 """FP8 (e4m3) gradients: one byte per entry and a float32 scale per vector."""
-
-from typing import Any
 
 import jax.numpy as jnp
 import optax
 from jax import lax
 
 from jaxcomm import core
-from jaxcomm.buckets import DEFAULT_BUCKET_BYTES
+from jaxcomm.options import Options, Unpack, take
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -67,27 +70,18 @@ class Fp8(core.CompressorBase):
         return (x * s).sum(axis=0).astype(dtype)
 
 
-def fp8(
-    *,
-    axis_name: Any = None,
-    error_feedback: bool = True,
-    min_size: int = 1024,
-    bucket_bytes: Any = DEFAULT_BUCKET_BYTES,
-    exchange: str = "auto",
-) -> optax.GradientTransformation:
+def fp8(**options: Unpack[Options]) -> optax.GradientTransformation:
     """Exchange gradients as fp8 (e4m3) with a per-vector scale: 1 byte per entry.
+
+    Args:
+      **options: ``axis_name``, ``error_feedback``, ``min_size``, ``bucket_bytes``,
+        ``exchange``: see :class:`jaxcomm.options.Options`.
 
     Example:
       >>> tx = optax.chain(fp8(axis_name="data"), optax.sgd(0.1))
     """
-    return core.compress(
-        Fp8(),
-        axis_name=axis_name,
-        error_feedback=error_feedback,
-        min_size=min_size,
-        bucket_bytes=bucket_bytes,
-        exchange=exchange,
-    )
+    names = ("axis_name", "error_feedback", "min_size", "bucket_bytes", "exchange")
+    return core.compress(Fp8(), **take("fp8", options, names))
 
 
 __all__ = ["fp8", "Fp8", "Fp8State"]
@@ -198,6 +192,27 @@ def make(name: str, *, seed: int = 0, **kwargs: Any) -> optax.GradientTransforma
       >>> tx = methods.make("powersgd", rank=2, axis_name="data")
     """
     factory = get(name)
-    if "key" in inspect.signature(factory).parameters and "key" not in kwargs:
-        kwargs["key"] = jax.random.key(seed)
+    if "key" in kwargs:
+        return factory(**kwargs)
+    params = inspect.signature(factory).parameters
+    if "key" in params:
+        return factory(**kwargs, key=jax.random.key(seed))
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return factory(**kwargs)
+    # common options as **options (jaxcomm.options): whether "key" is one it takes is in
+    # the names it gives jaxcomm.options.take, which refuses it by name otherwise
+    try:
+        return factory(**kwargs, key=jax.random.key(seed))
+    except TypeError as err:
+        if not _refuses_key(err):
+            raise
     return factory(**kwargs)
+
+
+def _refuses_key(err: TypeError) -> bool:
+    """Whether ``err`` is a factory refusing a ``key`` argument (from
+    :func:`jaxcomm.options.take`, or Python's own for a ``**kwargs`` passed on)."""
+    head = str(err).split(";")[0]  # take's message: the refused names, then what it takes
+    return ("unexpected argument(s)" in head and "'key'" in head) or (
+        "unexpected keyword argument 'key'" in head
+    )
