@@ -3,6 +3,15 @@ r"""
 
 These hold for everything built on `jaxcomm.compress`.
 
+- **Options**: a factory takes its codec's own arguments by name (`ratio`,
+  `bucket_size`, ...) and the common options (`axis_name`,
+  `error_feedback`, `min_size`, `key`, `scope`, `bucket_bytes`,
+  `state_dtype`, `exchange`) as keywords, documented once in
+  `jaxcomm.options.Options`. Each factory's docstring names the ones it takes
+  and any default of its own; one it does not take, or a misspelled
+  argument, is refused with a `TypeError` naming the factory
+  (`jaxcomm.onebit(key=...)`: 1-bit SGD draws no random numbers).
+
 - **Error feedback** (`error_feedback=True` for sparsifiers): `p = g + e`,
   send `C(p)`, keep `e = p − C(p)`. The residual is one extra copy of the
   model, in float32 for bf16/fp16 params (`state_dtype=None`), in the
