@@ -119,6 +119,7 @@ import jax
 import optax
 
 import jaxcomm
+from jaxcomm import options
 
 __all__ = ["compressors", "get", "make", "names"]
 
@@ -203,16 +204,7 @@ def make(name: str, *, seed: int = 0, **kwargs: Any) -> optax.GradientTransforma
     # the names it gives jaxcomm.options.take, which refuses it by name otherwise
     try:
         return factory(**kwargs, key=jax.random.key(seed))
-    except TypeError as err:
-        if not _refuses_key(err):
+    except options.UnknownOption as err:
+        if "key" not in err.unknown:
             raise
     return factory(**kwargs)
-
-
-def _refuses_key(err: TypeError) -> bool:
-    """Whether ``err`` is a factory refusing a ``key`` argument (from
-    :func:`jaxcomm.options.take`, or Python's own for a ``**kwargs`` passed on)."""
-    head = str(err).split(";")[0]  # take's message: the refused names, then what it takes
-    return ("unexpected argument(s)" in head and "'key'" in head) or (
-        "unexpected keyword argument 'key'" in head
-    )

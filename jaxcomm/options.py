@@ -40,7 +40,20 @@ else:  # pragma: no cover - Python 3.10 has no typing.Unpack
 if TYPE_CHECKING:
     import jax
 
-__all__ = ["Options", "DEFAULTS", "take", "Unpack"]
+__all__ = ["Options", "DEFAULTS", "UnknownOption", "take", "Unpack"]
+
+
+class UnknownOption(TypeError):
+    """A factory was passed arguments it does not take (:func:`take`'s refusal).
+
+    Attributes:
+      factory: the factory's public name.
+      unknown: the names refused, sorted.
+    """
+
+    def __init__(self, message: str, factory: str, unknown: list[str]) -> None:
+        super().__init__(message)
+        self.factory, self.unknown = factory, unknown
 
 
 class Options(TypedDict, total=False):
@@ -115,14 +128,16 @@ def take(factory: str, given: dict[str, Any], names: tuple[str, ...], **defaults
       the factory's default, else :data:`DEFAULTS`'.
 
     Raises:
-      TypeError: ``given`` holds a name outside ``names`` (a misspelled
-        argument, or an option this method has no use for).
+      UnknownOption: a ``TypeError``: ``given`` holds a name outside ``names``
+        (a misspelled argument, or an option this method has no use for).
     """
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise TypeError(
+        raise UnknownOption(
             f"jaxcomm.{factory}: unexpected argument(s) {', '.join(map(repr, unknown))}; besides "
             f"its own arguments it takes the options {', '.join(names)} "
-            "(see jaxcomm.options.Options)"
+            "(see jaxcomm.options.Options)",
+            factory,
+            unknown,
         )
     return {name: given.get(name, defaults.get(name, DEFAULTS[name])) for name in names}

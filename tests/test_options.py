@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import jaxcomm
-from jaxcomm import methods
+from jaxcomm import methods, options
 from jaxcomm.options import DEFAULTS, Options, take
 
 AUTO = DEFAULTS["bucket_bytes"]
@@ -243,6 +243,9 @@ def test_take_refuses_unknown_names_sorted_with_what_it_takes():
         "jaxcomm.myfactory: unexpected argument(s) 'key', 'zeta'; besides its own arguments it "
         "takes the options axis_name, min_size (see jaxcomm.options.Options)"
     )
+    # a TypeError that says what it refused, for callers that retry (methods.make's key)
+    assert isinstance(err.value, options.UnknownOption)
+    assert (err.value.factory, err.value.unknown) == ("myfactory", ["key", "zeta"])
 
 
 def test_take_does_not_modify_what_the_caller_passed():
