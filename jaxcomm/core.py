@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, strategies
+from jaxcomm import buckets, checks, collectives, strategies, trees
 from jaxcomm.protocol import (
     Compressor,
     CompressorBase,
@@ -118,10 +118,7 @@ def _start(compressor: Compressor, updates: Any, state: Any, config: Config) -> 
         needs_key=compressor.needs_key,
         cls=config.state_cls,
     )
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    check_float_leaves(with_path, "updates")
-    collectives.check_per_worker(updates, config.axis_name)
-    grads = [g for _, g in with_path]
+    with_path, treedef, grads = trees.leaves(updates, config.axis_name)
     residuals = treedef.flatten_up_to(state.residual) if config.error_feedback else None
     return Step(treedef, with_path, grads, residuals)
 
@@ -249,14 +246,7 @@ def _init_state(compressor: Compressor, params: Any, raw_key: Any, state_dtype: 
         and axis_name is not None
         and strategy.needs_server(compressor, [x for _, x in leaves], config)
     )
-    residual = (
-        jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), resolve_state_dtype(jnp.result_type(p), state_dtype)),
-            params,
-        )
-        if error_feedback
-        else None
-    )
+    residual = trees.zero_state(params, state_dtype) if error_feedback else None
     return config.state_cls(
         count=jnp.zeros((), jnp.int32),
         key=raw_key,

@@ -12,9 +12,16 @@ finite), :func:`decode_groups` what it received, :func:`put_mean` a decoded
 mean into the updates (the NaN rule: the update is NaN on every worker when
 some worker's ``g + e`` was not finite), :func:`memory` the residuals
 ``p - decode(own payload)``, kept as they were on such a step.
+
+The transforms that do not fit the flat-vector protocol (PowerSGD, DGC,
+DeMo, SparseLoCo) share the smaller stages as well: the NaN rule's
+:func:`all_finite`, :func:`nan_unless`, :func:`keep_unless` and
+:func:`count_nonfinite`, and :func:`dense_mean`; the update's start and the
+zero state are :mod:`jaxcomm.trees`'.
 """
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -87,6 +94,43 @@ class Memory(NamedTuple):
     nonfinite: Any
 
 
+# --- the stages every transform shares (the NaN rule, the dense mean) -----------------
+
+
+def all_finite(vecs: Sequence[jax.Array]) -> jax.Array:
+    """The NaN rule's test: these arrays (this worker's) all finite, a bool scalar (``True``
+    for none), reading every entry."""
+    return (
+        jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
+        if vecs
+        else jnp.ones((), jnp.bool_)
+    )
+
+
+def nan_unless(ok: jax.Array, x: jax.Array) -> jax.Array:
+    """The NaN rule's update: ``x`` where ``ok``, NaN (in ``x``'s dtype) where some worker's
+    values were not finite."""
+    return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
+
+
+def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
+    """The NaN rule's state: ``new`` where ``ok``, else ``old`` as it was (leaf by leaf)."""
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def count_nonfinite(count: jax.Array, ok: jax.Array) -> jax.Array:
+    """The count of non-finite steps (``int32``), this step counted unless ``ok``."""
+    return count + (~ok).astype(jnp.int32)
+
+
+def dense_mean(arrays: list[jax.Array], axis_name: AxisName | None, bucket_bytes: int | None):
+    """The worker mean of dense (small) leaves, one all-reduce per bucket; the leaves as they
+    are without an axis."""
+    if axis_name is None:
+        return arrays
+    return buckets.bucketed_pmean(arrays, axis_name, bucket_bytes)
+
+
 def _encode_all(
     compressor: Any,
     vecs: list[jax.Array],
@@ -139,15 +183,6 @@ def slices(group: list[int], ps: dict[int, jax.Array]) -> list[tuple[int, slice]
     return out
 
 
-def all_finite(vecs: list[jax.Array]) -> jax.Array:
-    """This worker's vectors all finite (bool scalar), reading every entry."""
-    return (
-        jnp.all(jnp.stack([jnp.isfinite(jnp.sum(v * 0)) for v in vecs]))
-        if vecs
-        else jnp.ones((), jnp.bool_)
-    )
-
-
 def encode(compressor: Any, step: Step, config: Config) -> tuple[list, jax.Array]:
     """Every group's ``(payload, aux)`` and whether this worker's ``g + e`` is all finite.
 
@@ -180,7 +215,7 @@ def put_mean(
     (``ok=None``: the mean holds that rule already)."""
     if ok is not None and not compressor.carries_nonfinite:
         # some worker's gradient was not finite: the update is NaN on every worker
-        mean = jnp.where(ok, mean, jnp.asarray(jnp.nan, mean.dtype))
+        mean = nan_unless(ok, mean)
     for i, sl in slices(group, step.ps):
         outputs[i] = mean[sl].reshape(step.grads[i].shape).astype(step.grads[i].dtype)
 
@@ -249,9 +284,7 @@ def memory(
         res = compressor.residual_checked(vec, old, kept, payload, aux, ok)
         for i, sl in slices(group, ps):
             new_res[i] = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-    nonfinite = state.nonfinite
-    if step.groups:
-        nonfinite = nonfinite + (~ok).astype(jnp.int32)
+    nonfinite = count_nonfinite(state.nonfinite, ok) if step.groups else state.nonfinite
     return Memory(step.treedef.unflatten(new_res), state.server, nonfinite)
 
 
