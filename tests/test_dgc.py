@@ -448,3 +448,19 @@ def test_bf16_params_keep_float32_momentum_and_velocity():
     d = 4096
     momentum = jaxcomm.dgc(0.01, min_size=0).init({"w": jnp.zeros(d, jnp.bfloat16)}).momentum
     assert momentum["w"].dtype == jnp.float32
+
+
+def test_dgc_refuses_an_option_it_does_not_take_and_keeps_its_defaults():
+    from jaxcomm.compressors.dgc import transform
+    from jaxcomm.options import take
+
+    with pytest.raises(TypeError, match=r"jaxcomm\.dgc: unexpected argument\(s\) 'error_feedback'"):
+        jaxcomm.dgc(0.01, error_feedback=False)
+    with pytest.raises(TypeError, match=r"jaxcomm\.dgc: .*'key'"):
+        jaxcomm.dgc(0.01, key=jax.random.key(0))
+    assert take("dgc", {}, transform.OPTIONS) == {
+        "axis_name": None,
+        "min_size": 1024,
+        "bucket_bytes": "auto",
+        "state_dtype": None,
+    }

@@ -425,3 +425,21 @@ def test_every_matmul_asks_for_full_float32(batch):
     assert all(e.params["precision"] == (highest, highest) for e in found), [
         e.params["precision"] for e in found
     ]
+
+
+def test_powersgd_refuses_an_option_it_does_not_take_and_keeps_its_defaults():
+    from jaxcomm.compressors import powersgd as module
+    from jaxcomm.options import take
+
+    with pytest.raises(TypeError, match=r"jaxcomm\.powersgd: unexpected argument\(s\) 'min_size'"):
+        jaxcomm.powersgd(2, key=KEY, min_size=16)
+    with pytest.raises(TypeError, match=r"jaxcomm\.powersgd: .*'scope'"):
+        jaxcomm.powersgd(2, key=KEY, scope="global")
+    resolved = take("powersgd", {}, module.OPTIONS)
+    assert resolved == {
+        "key": None,  # required: key_bits refuses None
+        "axis_name": None,
+        "error_feedback": True,
+        "bucket_bytes": "auto",
+        "state_dtype": None,
+    }

@@ -52,11 +52,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, core
+from jaxcomm import buckets, checks, collectives, core, stages, trees
 from jaxcomm.branches import typed_cond
-from jaxcomm.collectives import AxisName
+from jaxcomm.options import Options, Unpack, take
 
 __all__ = ["PowerSGDState", "leaf_plan", "powersgd", "orthogonalize"]
+
+#: the common options (:class:`jaxcomm.options.Options`) :func:`powersgd` takes, with
+#: :data:`jaxcomm.options.DEFAULTS`' defaults (``key`` has none: it is required)
+OPTIONS = ("key", "axis_name", "error_feedback", "bucket_bytes", "state_dtype")
 
 # Gram-Schmidt treats a column whose norm after projection is at most this
 # fraction of its norm before as dependent on the previous ones (it becomes 0).
@@ -238,17 +242,13 @@ def _batches(plan, comp, batch_same_shape: bool) -> list[list[int]]:
 def powersgd(
     rank: int = 2,
     *,
-    key: jax.Array,
-    axis_name: AxisName | None = None,
     start_iter: int = 0,
     min_compression_rate: float = 2.0,
-    error_feedback: bool = True,
     warm_start: bool = True,
     orthogonalization_epsilon: float = 0.0,
     batch_same_shape: bool = False,
     matrix_view: str = "last",
-    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
+    **options: Unpack[Options],
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
 
@@ -264,14 +264,10 @@ def powersgd(
 
     Args:
       rank: rank r of the approximation, >= 1 (capped at ``min(a, b)``).
-      key: PRNG key for the initial Q (shared by all workers: pass the same
-        key everywhere; it is not folded with the worker index).
-      axis_name: mesh axis to average over; ``None`` compresses locally.
       start_iter: steps of plain dense averaging (no error feedback) before
         PowerSGD starts, >= 0.
       min_compression_rate: compress a matrix only if ``(a+b)·r`` is smaller
         than ``a·b / min_compression_rate``; > 0.
-      error_feedback: keep ``M_w − P̂ Q_wᵀ`` and add it to the next gradient.
       warm_start: reuse last step's Q̄; otherwise draw a fresh shared Q every step.
       orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0.
       batch_same_shape: one batched matmul per group of equal (a, b, r), faster
@@ -279,10 +275,12 @@ def powersgd(
       matrix_view: ``"last"`` (default): ``(rest, shape[-1])``, for Flax/JAX
         layouts; ``"first"``: ``(shape[0], rest)``, torch's, for torch-layout
         weights. :func:`leaf_plan` lists which leaves are compressed and why.
-      bucket_bytes: all P's (with the dense leaves), then all Q's, go in
-        buckets of at most this many bytes, one all-reduce each; default
-        ``"auto"``, ``None`` or 0: one per matrix. Bit-identical results.
-      state_dtype: dtype of the residual (see :func:`jaxcomm.compress`).
+      **options: ``key`` (required: the initial Q's, shared by all workers: pass the same
+        key everywhere; it is not folded with the worker index), ``axis_name`` (``None``
+        compresses locally), ``error_feedback`` (keep ``M_w − P̂ Q_wᵀ`` and add it to the
+        next gradient), ``bucket_bytes`` (all P's with the dense leaves, then all Q's, in
+        buckets of at most this many bytes, one all-reduce each; ``None`` or 0: one per
+        matrix) and ``state_dtype`` (the residual's): see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`PowerSGDState`. Updates
@@ -303,9 +301,11 @@ def powersgd(
       Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
       Distributed Optimization", NeurIPS 2019, arXiv:1905.13727. PyTorch ``powerSGD_hook``.
     """
-    args = (axis_name, rank, start_iter, min_compression_rate, orthogonalization_epsilon)
-    flags = (error_feedback, warm_start, batch_same_shape)
-    o, start_iter, raw_key = _check_args(*args, matrix_view, key, bucket_bytes, state_dtype, flags)
+    given = take("powersgd", options, OPTIONS)
+    args = (given["axis_name"], rank, start_iter, min_compression_rate, orthogonalization_epsilon)
+    flags = (given["error_feedback"], warm_start, batch_same_shape)
+    common = (given["key"], given["bucket_bytes"], given["state_dtype"])
+    o, start_iter, raw_key = _check_args(*args, matrix_view, *common, flags)
 
     def init_fn(params):
         return _init(o, raw_key, params)
@@ -355,15 +355,11 @@ def _init(o: _Options, raw_key: jax.Array, params: Any) -> PowerSGDState:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     core.check_float_leaves(leaves, "params")
     plan = _plan([jnp.shape(x) for _, x in leaves], o.rank, o.min_rate, o.matrix_view)
-
-    def zeros(p):
-        return jnp.zeros(jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), o.state_dtype))
-
     return PowerSGDState(
         count=jnp.zeros((), jnp.int32),
         key=None if o.warm_start else raw_key,
         q=_fresh_q(raw_key, plan) if o.warm_start else None,
-        residual=jax.tree.map(zeros, params) if o.error_feedback else None,
+        residual=trees.zero_state(params, o.state_dtype) if o.error_feedback else None,
         nonfinite=jnp.zeros((), jnp.int32),
     )
 
@@ -371,10 +367,7 @@ def _init(o: _Options, raw_key: jax.Array, params: Any) -> PowerSGDState:
 def _update(o: _Options, start_iter: int, updates: Any, state: PowerSGDState):
     """One :func:`powersgd` step: dense averaging before ``start_iter``, PowerSGD after."""
     _check_state(state, updates, error_feedback=o.error_feedback, warm_start=o.warm_start)
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    core.check_float_leaves(with_path, "updates")
-    collectives.check_per_worker(updates, o.axis_name)
-    grads = [g for _, g in with_path]
+    _, treedef, grads = trees.leaves(updates, o.axis_name)
     if o.warm_start:
         n_comp = sum(
             leaf is not None
@@ -404,8 +397,7 @@ def _update(o: _Options, start_iter: int, updates: Any, state: PowerSGDState):
 
 def _dense_step(o: _Options, grads, state):
     """The step before ``start_iter``: the dense mean, the state as it is."""
-    if o.axis_name is not None:
-        grads = buckets.bucketed_pmean(grads, o.axis_name, o.bucket_bytes)
+    grads = stages.dense_mean(grads, o.axis_name, o.bucket_bytes)
     return grads, state.key, state.q, state.residual, state.nonfinite
 
 
@@ -427,9 +419,7 @@ def _power_step(o: _Options, grads, state, treedef):
     outputs: list[jax.Array | None] = [None] * len(grads)
     dense = [i for i, leaf in enumerate(plan) if leaf is None]
     if not comp:
-        if o.axis_name is not None:
-            grads = buckets.bucketed_pmean(grads, o.axis_name, o.bucket_bytes)
-        return grads, state.key, state.q, state.residual, state.nonfinite
+        return _dense_step(o, grads, state)
 
     new_key = state.key
     if o.warm_start:
@@ -446,7 +436,7 @@ def _power_step(o: _Options, grads, state, treedef):
 
     # All-reduce 1: P = Σ_w M_w Q, bucketed; the dense leaves' sums ride along.
     p_b, n = _reduce_p(o, grads, dense, groups, [_mm(m, q) for m, q in zip(m_b, q_b)], outputs)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in p_b]))
+    finite = stages.all_finite(p_b)  # P is summed over the workers: agreed
     p_hat = [orthogonalize(p, o.eps) for p in p_b]
     # All-reduce 2: Q̄ = mean_w M_wᵀ P̂.
     q_w = [_mm(jnp.swapaxes(m, 1, 2), ph) for m, ph in zip(m_b, p_hat)]
@@ -456,7 +446,7 @@ def _power_step(o: _Options, grads, state, treedef):
     new_q, new_res = _apply(o, grads, residuals, groups, factors, q_of, finite, outputs)
     q_state = tuple(new_q[i] for i in comp) if o.warm_start else None
     residual = treedef.unflatten(new_res) if o.error_feedback else None
-    nonfinite = state.nonfinite + (~finite).astype(jnp.int32)
+    nonfinite = stages.count_nonfinite(state.nonfinite, finite)
     return outputs, new_key, q_state, residual, nonfinite
 
 
@@ -482,6 +472,8 @@ def _apply(o: _Options, grads, residuals, groups, factors, q_of, finite, outputs
     p_hat, q_mean, q_w, m_b = factors
     new_q = dict(q_of)
     new_res = list(residuals) if o.error_feedback else None
+    # the NaN rule as an addition, not stages.nan_unless: -0.0 + 0.0 is +0.0, and the
+    # saved outputs hold that
     poison = jnp.where(finite, 0.0, jnp.nan).astype(jnp.float32)
     for grp, ph, qm, qw, m in zip(groups, p_hat, q_mean, q_w, m_b):
         approx = _mm(ph, jnp.swapaxes(qm, 1, 2)) + poison  # (k, a, b)
@@ -492,8 +484,8 @@ def _apply(o: _Options, grads, residuals, groups, factors, q_of, finite, outputs
             # A zero column of Q̄ (zero or rank-deficient M: P̂ has a zero column) would
             # stay zero for ever under warm start; keep last step's column instead.
             live = jnp.any(qm[j] != 0, axis=0, keepdims=True)
-            new_q[i] = jnp.where(finite & live, qm[j], q_of[i])
+            new_q[i] = stages.keep_unless(finite & live, qm[j], q_of[i])
             if o.error_feedback:
                 r = err[j].reshape(g.shape).astype(residuals[i].dtype)
-                new_res[i] = jnp.where(finite, r, residuals[i])
+                new_res[i] = stages.keep_unless(finite, r, residuals[i])
     return new_q, new_res

@@ -49,9 +49,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, core, strategies
+from jaxcomm import buckets, checks, collectives, core, stages, strategies, trees
 from jaxcomm.branches import typed_switch
-from jaxcomm.collectives import AxisName
 from jaxcomm.compressors.dgc import selection
 from jaxcomm.compressors.dgc.schedule import (
     boundaries,
@@ -60,6 +59,11 @@ from jaxcomm.compressors.dgc.schedule import (
     check_schedule,
     densities,
 )
+from jaxcomm.options import Options, Unpack, take
+
+#: the common options (:class:`jaxcomm.options.Options`) :func:`dgc` takes, with
+#: :data:`jaxcomm.options.DEFAULTS`' defaults
+OPTIONS = ("axis_name", "min_size", "bucket_bytes", "state_dtype")
 
 
 class DGCState(NamedTuple):
@@ -111,7 +115,6 @@ def _correct_momentum(grads, us, vs, m, nesterov: bool):
 def dgc(
     ratio: float = 0.001,
     *,
-    axis_name: AxisName | None = None,
     momentum: float = 0.9,
     nesterov: bool = False,
     momentum_correction: bool = True,
@@ -121,9 +124,7 @@ def dgc(
     warmup_epochs: int = 4,
     warmup_ratios: Sequence[float] | None = None,
     sample_ratio: float = 0.01,
-    min_size: int = 1024,
-    bucket_bytes: int | str | None = buckets.DEFAULT_BUCKET_BYTES,
-    state_dtype: Any = None,
+    **options: Unpack[Options],
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression: momentum-corrected, masked, clipped, warmed-up top-k.
 
@@ -144,7 +145,6 @@ def dgc(
 
     Args:
       ratio: density after warm-up, in (0, 1] (0.001 = 99.9% sparsity).
-      axis_name: mesh axis to average over; ``None`` sparsifies locally.
       momentum: m in [0, 1). nesterov: Nesterov momentum as in the official code.
       momentum_correction: accumulate the velocity, not the gradient.
       momentum_masking: zero u and v at sent entries (needs the correction).
@@ -153,9 +153,9 @@ def dgc(
       warmup_epochs: equal parts of the warm-up, >= 1.
       warmup_ratios: density of each warm-up epoch; ``None`` for 4^-(e+1).
       sample_ratio: fraction of |v| sampled for the threshold, in (0, 1].
-      min_size: leaves with fewer entries are sent dense.
-      bucket_bytes: tensor fusion, default ``"auto"``; ``None`` or 0: one collective per array.
-      state_dtype: dtype of u and v (see :func:`jaxcomm.compress`).
+      **options: ``axis_name`` (``None`` sparsifies locally), ``min_size`` (leaves with
+        fewer entries are sent dense), ``bucket_bytes`` and ``state_dtype`` (the dtype of
+        u and v): see :class:`jaxcomm.options.Options`.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DGCState` (u and v: two
@@ -177,8 +177,9 @@ def dgc(
     """
     schedule = (ratio, warmup_steps, warmup_epochs, warmup_ratios)
     flags = (nesterov, momentum_correction, momentum_masking)
-    options = (momentum, clip_norm, sample_ratio, min_size, bucket_bytes, state_dtype)
-    o = _check_args(axis_name, schedule, flags, *options)
+    given = take("dgc", options, OPTIONS)
+    common = (given["min_size"], given["bucket_bytes"], given["state_dtype"])
+    o = _check_args(given["axis_name"], schedule, flags, momentum, clip_norm, sample_ratio, *common)
 
     def init_fn(params):
         return _init(o, params)
@@ -260,17 +261,11 @@ def _check_args(
 
 def _init(o: _Options, params: Any) -> DGCState:
     """:func:`dgc`'s initial state: zero u (with the correction) and v."""
-    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-    zeros = lambda: jax.tree.map(  # noqa: E731
-        lambda p: jnp.zeros(
-            jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), o.state_dtype)
-        ),
-        params,
-    )
+    velocity = trees.zero_state(params, o.state_dtype)  # the params checked
     return DGCState(
         count=jnp.zeros((), jnp.int32),
-        momentum=zeros() if o.momentum_correction else None,
-        velocity=zeros(),
+        momentum=trees.zero_state(params, o.state_dtype) if o.momentum_correction else None,
+        velocity=velocity,
         nonfinite=jnp.zeros((), jnp.int32),
     )
 
@@ -278,17 +273,14 @@ def _init(o: _Options, params: Any) -> DGCState:
 def _update(o: _Options, updates: Any, state: DGCState):
     """One DGC step: clip, correct the momentum, send the dense leaves and the selection."""
     _check_state(state, updates, o.momentum_correction)
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    core.check_float_leaves(with_path, "updates")
-    collectives.check_per_worker(updates, o.axis_name)
-    grads = [g for _, g in with_path]
+    _, treedef, grads = trees.leaves(updates, o.axis_name)
     n = 1 if o.axis_name is None else collectives.axis_size(o.axis_name)
 
     if o.clip is not None:
         sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
         scale = jnp.minimum(1.0, (o.clip / math.sqrt(n)) / (jnp.sqrt(sq) + 1e-6))
         grads = [g * scale.astype(g.dtype) for g in grads]
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]))
+    finite = stages.all_finite(grads)
 
     us = treedef.flatten_up_to(state.momentum) if o.momentum_correction else None
     vs = treedef.flatten_up_to(state.velocity)
@@ -313,14 +305,14 @@ def _update(o: _Options, updates: Any, state: DGCState):
             if o.momentum_correction:
                 new_u[i] = moms[j].reshape(us[i].shape)
 
-    keep = lambda new, old: jnp.where(finite, new.astype(old.dtype), old)  # noqa: E731
+    keep = lambda new, old: stages.keep_unless(finite, new.astype(old.dtype), old)  # noqa: E731
     new_state = DGCState(
         count=optax.safe_int32_increment(state.count),
         momentum=treedef.unflatten([keep(a, b) for a, b in zip(new_u, us)])
         if o.momentum_correction
         else None,
         velocity=treedef.unflatten([keep(a, b) for a, b in zip(new_v, vs)]),
-        nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+        nonfinite=stages.count_nonfinite(state.nonfinite, finite),
     )
     return treedef.unflatten(outputs), new_state
 
@@ -334,9 +326,8 @@ def _dense_sends(o: _Options, grads, acc, dense, any_sparse: bool, n: int, outpu
     # them costs more bytes than a collective's latency (strategies.dense_rides)
     dense_bytes = sum(x.size * x.dtype.itemsize for x in sends)
     ride = o.axis_name is not None and any_sparse and strategies.dense_rides(n, dense_bytes)
-    if o.axis_name is not None and not ride:
-        sends = buckets.bucketed_pmean(sends, o.axis_name, o.bucket_bytes)
     if not ride:
+        sends = stages.dense_mean(sends, o.axis_name, o.bucket_bytes)
         for i, send in zip(dense, sends):
             outputs[i] = send
     return sends, ride
@@ -367,7 +358,7 @@ def _phase(o: _Options, density: float, leaves, count, finite, n: int):
             offset = count % plan.stride
             idx = selection.select(v, plan, offset, count)
             vals = jnp.where(idx < d, v[jnp.minimum(idx, d - 1)], 0)
-            vals = jnp.where(finite, vals, jnp.nan).astype(g.dtype)
+            vals = stages.nan_unless(finite, vals).astype(g.dtype)
             sent.append((vals, idx))
         received, means = _gather(o, sent, riding, n)
         outs, vels, moms = [], [], []
