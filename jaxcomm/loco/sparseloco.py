@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxcomm import checks, collectives, core
+from jaxcomm import checks, collectives, trees
 from jaxcomm.branches import typed_cond
 from jaxcomm.collectives import AxisName
 from jaxcomm.compressors import packing
@@ -269,7 +269,7 @@ def sparseloco(
 
 def _init(inner: optax.GradientTransformation, state_dtype: Any, params) -> SparseLoCoState:
     """:func:`sparseloco`'s initial state for ``params`` (floating-point leaves only)."""
-    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
+    error = trees.zero_state(params, state_dtype)  # the params checked first
     zero = jnp.zeros((), jnp.int32)
     return SparseLoCoState(
         count=zero,
@@ -277,12 +277,7 @@ def _init(inner: optax.GradientTransformation, state_dtype: Any, params) -> Spar
         syncs=zero,
         inner_state=inner.init(params),
         anchor=jax.tree.map(jnp.asarray, params),
-        error=jax.tree.map(
-            lambda p: jnp.zeros(
-                jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p), state_dtype)
-            ),
-            params,
-        ),
+        error=error,
     )
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm import checks, collectives, core
+from jaxcomm import checks, collectives, core, stages, trees
 from jaxcomm.collectives import AxisName
 from jaxcomm.optim import common
 
@@ -225,19 +225,14 @@ def demo(
         deltas = treedef.flatten_up_to(state.delta)
         delta, t = _exchange(grads, deltas, lr, (decay, chunk, topk), axis_name)
         delta, t = treedef.unflatten(delta), treedef.unflatten(t)
-        return _sign_step(t, delta, state, lr, weight_decay, updates, params, bool(grads))
+        return _sign_step(t, delta, state, lr, weight_decay, updates, params)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _init(params) -> DeMoState:
     """:func:`demo`'s initial state: a zero momentum per leaf (floating params only)."""
-    core.check_float_leaves(jax.tree_util.tree_leaves_with_path(params), "params")
-    delta = jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), core.resolve_state_dtype(jnp.result_type(p))),
-        params,
-    )
-    return DeMoState(jnp.zeros((), jnp.int32), delta, jnp.zeros((), jnp.int32))
+    return DeMoState(jnp.zeros((), jnp.int32), trees.zero_state(params), jnp.zeros((), jnp.int32))
 
 
 def _exchange(grads, deltas, lr, codec, axis_name):
@@ -273,7 +268,7 @@ def _transmitted(payload, g, delta, chunk, topk, axis_name):
     return decode(scatter_mean(vals, idx, lay, delta.dtype), lay, delta.shape)
 
 
-def _sign_step(t, delta, state, lr, weight_decay, updates, params, any_leaves: bool):
+def _sign_step(t, delta, state, lr, weight_decay, updates, params):
     """The update ``-lr·sign(t) - lr·wd·p`` (NaN on every worker where ``t`` is not finite)
     and the next :class:`DeMoState`."""
     step = jax.tree.map(jnp.sign, t)
@@ -281,14 +276,14 @@ def _sign_step(t, delta, state, lr, weight_decay, updates, params, any_leaves: b
         step = jax.tree.map(lambda s, p: s + weight_decay * p.astype(s.dtype), step, params)
     # t is decoded from the gathered payloads: ``ok`` is the same on every worker, and
     # a NaN/Inf there (sign would turn an Inf into ±1) makes every update NaN.
-    ok = common.all_finite(t) if any_leaves else jnp.asarray(True)
+    ok = stages.all_finite(jax.tree.leaves(t))
     out = jax.tree.map(
-        lambda s, g: jnp.where(ok, -lr.astype(s.dtype) * s, jnp.nan).astype(g.dtype),
+        lambda s, g: stages.nan_unless(ok, -lr.astype(s.dtype) * s).astype(g.dtype),
         step,
         updates,
     )
     return out, DeMoState(
         count=optax.safe_int32_increment(state.count),
-        delta=common.keep(ok, delta, state.delta),
-        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        delta=stages.keep_unless(ok, delta, state.delta),
+        nonfinite=stages.count_nonfinite(state.nonfinite, ok),
     )
