@@ -27,6 +27,8 @@ import os
 import pathlib
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -59,6 +61,77 @@ def lighthouse(
     )
     try:
         yield "http://localhost:" + server.address().rsplit(":", 1)[1]
+    finally:
+        server.shutdown()
+
+
+@contextlib.contextmanager
+def lighthouse_process(
+    wrap: Callable[[list[str]], list[str]],
+    host: str,
+    *,
+    min_replicas: int,
+    join_timeout_ms: int,
+    heartbeat_timeout_ms: int,
+    start_timeout_s: float = 60.0,
+) -> Iterator[str]:
+    """torchft's lighthouse as a process of its own, started as ``wrap(argv)``; yields
+    ``http://HOST:PORT``.
+
+    For replicas this process cannot share a network with: in a shaped-link lab
+    (:mod:`experiments.netlab`) ``wrap`` is ``lambda argv: lab.command(k, argv)``,
+    and the lighthouse serves on ``host`` (host ``k``'s address) in that
+    namespace. Stopped on leaving.
+    """
+    argv = [sys.executable, "-m", "experiments.elastic_launch", f"--bind={host}",
+            f"--min_replicas={min_replicas}", f"--join_timeout_ms={join_timeout_ms}",
+            f"--heartbeat_timeout_ms={heartbeat_timeout_ms}"]  # fmt: skip
+    env = {**os.environ, "RUST_LOG": "error"}
+    proc = subprocess.Popen(wrap(argv), stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(start_timeout_s)
+        if not ready or not ready[0].startswith("http://"):
+            raise RuntimeError(
+                f"the lighthouse ({' '.join(wrap(argv))}) did not start in {start_timeout_s:g} s"
+                f" (exit code {proc.poll()})"
+            )
+        yield ready[0].strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _serve(argv: list[str]) -> None:
+    """``python -m experiments.elastic_launch --bind=HOST ...``: a lighthouse on ``HOST``
+    (any free port) until SIGTERM; prints ``http://HOST:PORT`` when it serves."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="torchft's lighthouse, its address printed")
+    p.add_argument("--bind", required=True)
+    p.add_argument("--min_replicas", type=int, default=1)
+    p.add_argument("--join_timeout_ms", type=int, default=10000)
+    p.add_argument("--heartbeat_timeout_ms", type=int, default=2000)
+    args = p.parse_args(argv)
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(
+        bind=f"{args.bind}:0",
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"http://{args.bind}:{server.address().rsplit(':', 1)[1]}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
     finally:
         server.shutdown()
 
@@ -175,3 +248,7 @@ def supervise(
             time.sleep(poll_s)
     finally:
         replicas.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1:])

@@ -64,6 +64,8 @@ References:
 
 from __future__ import annotations
 
+import socket
+import urllib.parse
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -93,12 +95,22 @@ def _import_torch():
     return torch
 
 
+def route_address(peer: str) -> str:
+    """The address this machine reaches ``peer`` from: its interface on the route
+    (``127.0.0.1`` for a local peer). No packet is sent."""
+    if peer in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))  # a UDP connect only picks the route
+        return s.getsockname()[0]
+
+
 def gloo_manager(
     replica_id: str,
     lighthouse: str,
     *,
     min_replicas: int = 1,
-    host: str = "localhost",
+    host: str | None = None,
     timeout_s: float = 60.0,
     quorum_timeout_s: float = 3600.0,
     init_sync: bool = True,
@@ -114,7 +126,10 @@ def gloo_manager(
       lighthouse: the lighthouse's address, e.g. ``"http://host:29650"``
         (``torchft_lighthouse --min_replicas 1 --bind [::]:29650``).
       min_replicas: fewest replicas a sync may commit with.
-      host: the address the other replicas reach this one at.
+      host: the address the other replicas reach this one at. ``None``
+        (default): this machine's address on its route to the lighthouse
+        (:func:`route_address`): ``127.0.0.1`` for a local lighthouse, the
+        interface that reaches it otherwise.
       timeout_s: the all-reduce, commit and healing timeout.
       quorum_timeout_s: how long a sync waits for its quorum (longer than a round).
       init_sync: at step 0 the replicas but one heal from it (identical start).
@@ -131,8 +146,11 @@ def gloo_manager(
         raise ValueError(f"replica_id: a non-empty string; got {replica_id!r}")
     min_replicas = checks.check_int(min_replicas, "min_replicas", 1)
     timeout = timedelta(seconds=checks.check_positive(timeout_s, "timeout_s"))
+    if host is None:
+        host = route_address(urllib.parse.urlsplit(lighthouse).hostname or "localhost")
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
+        checkpoint_transport=_transport(host, timeout),
         pg=ProcessGroupGloo(timeout=timeout),
         load_state_dict=None,
         state_dict=None,
@@ -152,6 +170,20 @@ def gloo_manager(
     )
     _STORES[manager] = store
     return manager
+
+
+def _transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport (what a healing peer fetches from), advertising
+    ``host``: torchft's own names ``socket.gethostname()``, which a peer resolves to itself
+    where the replicas share a hostname (containers, network namespaces) or to an
+    interface it cannot reach."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class HostTransport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return HostTransport(timeout=timeout, num_chunks=0)
 
 
 def tree_state_dict(tree: Any) -> dict:

@@ -138,3 +138,49 @@ def test_a_killed_replica_is_restarted_and_heals(tmp_path, side):
             for x in goodput.goodput_workload.read(run_dir, i)
             if "committed" in x
         )
+
+
+def test_a_manager_advertises_its_own_address_to_healing_peers():
+    # the replicas of a lab share a hostname, which each resolves to itself: torchft's own
+    # transport would send a healing peer to its own address (connection refused)
+    from datetime import timedelta
+
+    from jaxcomm import elastic
+
+    assert elastic.route_address("localhost") == "127.0.0.1"
+    transport = elastic._transport("10.211.0.7", timedelta(seconds=5))
+    try:
+        assert transport.address().startswith("http://10.211.0.7:")
+    finally:
+        transport.shutdown()
+
+
+def _lab_reason() -> str | None:
+    from experiments.netlab import Lab, LabError
+
+    try:
+        Lab.check()
+    except LabError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_replica_heals_across_a_shaped_link(tmp_path):
+    # each replica in its own network namespace of a 100 Mbit/s lab, the lighthouse in one
+    # more: the outer all-reduce and the restarted replica's heal cross the shaped links
+    reason = _lab_reason()
+    if reason is not None:
+        pytest.skip(f"netlab unavailable: {reason}")
+    # 600 steps of >= 0.1 s: a minute for the restarted replica to start and rejoin
+    args = goodput.parse([f"--workdir={tmp_path}", "--steps=600", "--step_s=0.1",
+                          "--kill_every=8", "--max_kills=1", "--restart_after=1",
+                          "--deadline_s=600", "--heartbeat_timeout_ms=1000",
+                          "--join_timeout_ms=5000", "--rate=100mbit", *TINY])  # fmt: skip
+    out = goodput.run(args, "jaxcomm", "diloco", 2, failures=True)
+    victim = next(e["replica"] for e in out["events"] if e["event"] == "kill")
+    assert out["codes"][victim][0] == -9
+    assert sorted(out["finished"]) == [0, 1]  # the restarted one rejoined and finished
+    assert out["params_agree"], out["final_params"]  # healed from its peer over the lab
+    (heal, *_) = out["heals"]
+    assert heal["heal_s"] is not None and heal["heal_s"] > 0

@@ -41,13 +41,15 @@ JAX, loading the data, tracing) is still part of what a failure costs.
 
 Writes ``--out`` (``experiments/results/goodput.json``; its tables in the
 ``.md`` beside it, :func:`experiments.bench.goodput_report.report`) and each run's
-logs under ``--workdir``. Links: loopback (``--rate`` is refused: the lab's
-namespaces do not reach the launcher's lighthouse). Needs torch and torchft.
+logs under ``--workdir``. Links: loopback, or ``--rate=100mbit`` (root: each
+replica in its own network namespace of a tbf-shaped lab, the lighthouse in one
+more, :func:`_network`). Needs torch and torchft.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -56,7 +58,13 @@ import sys
 import time
 
 from experiments.bench import goodput_report, goodput_workload
-from experiments.elastic_launch import CHILD_ENV, Replicas, lighthouse, supervise
+from experiments.elastic_launch import (
+    CHILD_ENV,
+    Replicas,
+    lighthouse,
+    lighthouse_process,
+    supervise,
+)
 
 SIDES = ("jaxcomm", "torchft")
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
@@ -92,7 +100,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--join_timeout_ms", type=int, default=10000)
     p.add_argument("--timeout_s", type=float, default=60.0, help="all-reduce/commit/heal timeout")
     p.add_argument("--deadline_s", type=float, default=7200.0, help="a run gives up")
-    p.add_argument("--rate", default="", help="not supported: runs on loopback")
+    p.add_argument("--rate", default="", help="shaped link rate, e.g. 100mbit (default: loopback)")
     p.add_argument("--out", default=str(RESULTS / "goodput.json"))
     p.add_argument("--workdir", default="runs/goodput")
     p.add_argument("--fresh", action="store_true", help="rerun the runs --out already holds")
@@ -200,16 +208,16 @@ def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool
         schedule = Schedule(
             n, args.kill_every, args.restart_after, args.failure_seed, args.max_kills
         )
-    with lighthouse(1, join_timeout_ms=args.join_timeout_ms,
-                    heartbeat_timeout_ms=args.heartbeat_timeout_ms) as address:  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        address, wrap, link_env = _network(stack, args, n)
 
         def command(i: int, incarnation: int) -> list[str]:
-            return [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
-                    f"--side={side}", f"--method={method}", f"--replicas={n}",
-                    f"--replica={i}", f"--incarnation={incarnation}",
-                    f"--lighthouse={address}", f"--run_dir={run_dir}", *flags]  # fmt: skip
+            return wrap(i, [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
+                            f"--side={side}", f"--method={method}", f"--replicas={n}",
+                            f"--replica={i}", f"--incarnation={incarnation}",
+                            f"--lighthouse={address}", f"--run_dir={run_dir}", *flags])  # fmt: skip
 
-        replicas = Replicas(command, n, env)
+        replicas = Replicas(command, n, {**env, **link_env})
         start = "joined" if side == "jaxcomm" else "ready"  # torchft's DiLoCo has no join
         policy, clock = _policy(replicas, run_dir, n, schedule, start)
         for i in range(n):
@@ -225,6 +233,33 @@ def run(args: argparse.Namespace, side: str, method: str, n: int, failures: bool
                settings=sync_settings(args, side, method), events=replicas.events)  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(out, indent=1))
     return out
+
+
+def _network(stack: contextlib.ExitStack, args: argparse.Namespace, n: int):
+    """The lighthouse's address, ``wrap(i, argv)`` (replica ``i``'s command on the run's link)
+    and the replicas' environment for that link.
+
+    Loopback: the lighthouse in this process, the replicas as they are. A shaped
+    ``--rate``: a lab (:class:`experiments.netlab.Lab`) of ``n + 1`` hosts, each
+    replica in its own namespace and the lighthouse in the last one (the replicas'
+    outer all-reduces and heals cross the shaped links; the lighthouse's quorum
+    messages are small), gloo pinned to the lab's interface. The replicas share
+    the machine's hostname, so each advertises its own address for heals
+    (:func:`jaxcomm.elastic.gloo_manager`'s ``host``, its route to the lighthouse).
+    """
+    timeouts = {"join_timeout_ms": args.join_timeout_ms,
+                "heartbeat_timeout_ms": args.heartbeat_timeout_ms}  # fmt: skip
+    if not args.rate:
+        return stack.enter_context(lighthouse(1, **timeouts)), lambda i, argv: argv, {}
+    from experiments.netlab import Lab
+
+    lab = stack.enter_context(Lab(n + 1, args.rate))
+    address = stack.enter_context(
+        lighthouse_process(
+            lambda argv: lab.command(n, argv), lab.address(n), min_replicas=1, **timeouts
+        )  # fmt: skip
+    )
+    return address, lab.command, {"GLOO_SOCKET_IFNAME": lab.interface(0)}
 
 
 def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
@@ -247,7 +282,7 @@ def _config(args: argparse.Namespace) -> dict:
     return {**{k: getattr(args, k) for k in keys}, "steps": c.num_train_steps,
             "model": dict(c.model.kwargs), "seq_len": c.data.seq_len,
             "batch_size": c.data.batch_size, "test_windows": c.data.test_windows,
-            "link": "loopback", "cores": os.cpu_count()}  # fmt: skip
+            "link": args.rate or "loopback", "cores": os.cpu_count()}  # fmt: skip
 
 
 def _load(path: str, config: dict, fresh: bool) -> dict:
@@ -279,9 +314,6 @@ def main(argv=None) -> int:
         return 0
     # a SIGTERM unwinds (supervise then kills the replicas it started)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if args.rate:
-        raise SystemExit("--rate: not supported (the lab's namespaces do not reach the "
-                         "launcher's lighthouse); the bench runs on loopback")  # fmt: skip
     config = _config(args)
     results = _load(args.out, config, args.fresh)
     study = json.loads(STUDY.read_text()) if STUDY.exists() else None

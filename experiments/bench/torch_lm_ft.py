@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from typing import Any
 
 import jax
@@ -68,15 +67,6 @@ def fragments(model: torch_lm.GPT, n: int) -> list[torch.nn.ParameterList]:
     ]
 
 
-def own_address(peer: str) -> str:
-    """The address this host reaches ``peer`` from (its interface in a shaped-link lab)."""
-    if peer in ("127.0.0.1", "localhost"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))  # no packet is sent: this only picks the route
-        return s.getsockname()[0]
-
-
 def diloco(model: torch_lm.GPT, inner: torch.optim.Optimizer, hook: str, counter: Any) -> tuple:
     """``(DiLoCo, manager, lighthouse or None)`` for this rank; the default group must exist.
 
@@ -86,7 +76,7 @@ def diloco(model: torch_lm.GPT, inner: torch.optim.Optimizer, hook: str, counter
     logging.getLogger("torchft").setLevel(logging.WARNING)
     from torchft.coordination import LighthouseServer
 
-    from jaxcomm.elastic import gloo_manager
+    from jaxcomm.elastic import gloo_manager, route_address
 
     rank, world = dist.get_rank(), dist.get_world_size()
     host = os.environ["MASTER_ADDR"]
@@ -97,7 +87,7 @@ def diloco(model: torch_lm.GPT, inner: torch.optim.Optimizer, hook: str, counter
     dist.broadcast(port, 0)
     manager = gloo_manager(
         f"replica_{rank}", f"http://{host}:{int(port[0])}", min_replicas=world,
-        host=own_address(host), init_sync=False,  # every rank starts from the same seed
+        host=route_address(host), init_sync=False,  # every rank starts from the same seed
     )  # fmt: skip
     sent = manager.allreduce
 
