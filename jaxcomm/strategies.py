@@ -251,13 +251,13 @@ def _two_phase_memory(
     res = vec - own.astype(dtype)
     for i, sl in stages.slices(group, step.ps):
         r = res[sl].reshape(residuals[i].shape).astype(residuals[i].dtype)
-        new_res[i] = jnp.where(ok, r, residuals[i])
+        new_res[i] = stages.keep_unless(ok, r, residuals[i])
         new_srv[i] = server[sl].reshape(residuals[i].shape)
 
 
 def _counted(state: Any, ok: jax.Array) -> jax.Array:
     """The state's count of non-finite steps, this one counted if some ``g + e`` was not."""
-    return state.nonfinite + (~ok).astype(jnp.int32)
+    return stages.count_nonfinite(state.nonfinite, ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,12 +375,14 @@ class ReduceScatter(Strategy):
             (i,) = group  # scope="leaf"
             chunk = chunks[gi][: grads[i].size // n]
             if not compressor.carries_nonfinite:
-                chunk = jnp.where(ok, chunk, jnp.asarray(jnp.nan, chunk.dtype))
+                chunk = stages.nan_unless(ok, chunk)
             outputs[i] = chunk.reshape(shard[i]).astype(grads[i].dtype)
             if config.error_feedback:
                 dtype = step.residuals[i].dtype
                 res = step.ps_state.get(i, step.ps[i]).astype(dtype) - own[gi].astype(dtype)
-                new_res[i] = jnp.where(ok, res.reshape(step.residuals[i].shape), step.residuals[i])
+                new_res[i] = stages.keep_unless(
+                    ok, res.reshape(step.residuals[i].shape), step.residuals[i]
+                )
         residual = step.treedef.unflatten(new_res) if config.error_feedback else None
         return outputs, Memory(residual, state.server, _counted(state, ok))
 

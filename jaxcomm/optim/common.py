@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import checks, core
+from jaxcomm import checks, core, stages
 from jaxcomm.compressors.sign import ScaledSign
 
 
@@ -36,14 +36,9 @@ def learning_rate_at(learning_rate: optax.ScalarOrSchedule, count: jax.Array) ->
 
 
 def all_finite(*trees: Any) -> jax.Array:
-    """True iff every leaf of ``trees`` is finite (a bool ``[]``)."""
-    leaves = [x for t in trees for x in jax.tree.leaves(t)]
-    return jnp.all(jnp.stack([jnp.isfinite(jnp.sum(x * 0)) for x in leaves]))
-
-
-def keep(ok: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``ok``, else ``old`` (leaf by leaf): the NaN rule's state."""
-    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    """True iff every leaf of ``trees`` is finite (a bool ``[]``): :func:`jaxcomm.stages.all_finite`
+    over their leaves."""
+    return stages.all_finite([x for t in trees for x in jax.tree.leaves(t)])
 
 
 def momentum_exchange(axis_name, min_size, bucket_bytes, exchange) -> optax.GradientTransformation:

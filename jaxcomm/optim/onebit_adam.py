@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, core
+from jaxcomm import buckets, checks, collectives, core, stages
 from jaxcomm.branches import typed_cond
 from jaxcomm.optim import common
 from jaxcomm.options import Options, Unpack, take
@@ -137,10 +137,10 @@ def _next_state(state: OnebitAdamState, mu, nu, comm) -> OnebitAdamState:
     ok = common.all_finite(mu, nu)
     return OnebitAdamState(
         count=optax.safe_int32_increment(state.count),
-        mu=common.keep(ok, mu, state.mu),
-        nu=common.keep(ok, nu, state.nu),
-        comm=common.keep(ok, comm, state.comm),
-        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        mu=stages.keep_unless(ok, mu, state.mu),
+        nu=stages.keep_unless(ok, nu, state.nu),
+        comm=stages.keep_unless(ok, comm, state.comm),
+        nonfinite=stages.count_nonfinite(state.nonfinite, ok),
     )
 
 

@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import buckets, checks, collectives, core
+from jaxcomm import buckets, checks, collectives, core, stages
 from jaxcomm.branches import typed_cond
 from jaxcomm.optim import common
 from jaxcomm.options import Options, Unpack, take
@@ -346,9 +346,9 @@ def _next_state(o: _Options, state: ZeroOneAdamState, comm0, new, flags) -> Zero
         local_interval=jnp.where(roll_l, doubled, state.local_interval),
         local_counter=jnp.where(roll_l, 0, lc),
         lrs=jnp.where(ok | (frozen & ~is_sync), lrs, state.lrs),
-        mu=common.keep(ok, mu, state.mu),
-        nu=common.keep(ok, nu, state.nu),
-        u=common.keep(ok, u, state.u),
-        comm=common.keep(ok, comm, comm0),
-        nonfinite=state.nonfinite + (~ok).astype(jnp.int32),
+        mu=stages.keep_unless(ok, mu, state.mu),
+        nu=stages.keep_unless(ok, nu, state.nu),
+        u=stages.keep_unless(ok, u, state.u),
+        comm=stages.keep_unless(ok, comm, comm0),
+        nonfinite=stages.count_nonfinite(state.nonfinite, ok),
     )

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm import checks, collectives
+from jaxcomm import checks, collectives, stages
 from jaxcomm.collectives import AxisName
 from jaxcomm.sync.common import inc_count, zero_count
 
@@ -31,11 +31,7 @@ def _all_finite(updates: Any, axis_name: AxisName | None) -> jax.Array:
     """bool ``[]``: whether every float leaf of ``updates`` is finite (True with none), agreed
     over ``axis_name`` (one 4-byte all-reduce) when it is given."""
     leaves = [u for u in jax.tree.leaves(updates) if jnp.issubdtype(u.dtype, jnp.inexact)]
-    finite = (
-        jnp.all(jnp.stack([jnp.isfinite(jnp.sum(u * 0)) for u in leaves]))
-        if leaves
-        else jnp.ones((), jnp.bool_)
-    )
+    finite = stages.all_finite(leaves)
     if axis_name is not None:
         finite = collectives.agree((~finite).astype(jnp.int32), axis_name) == 0
     return finite
