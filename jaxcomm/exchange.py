@@ -128,41 +128,33 @@ def hierarchical(
 ) -> optax.GradientTransformation:
     """Two-level exchange on a 2-D mesh: dense on the fast axis, ``tx`` on the slow one.
 
-    Build ``tx`` over the slow axis (between nodes, e.g. ``axis_name="node"``)
-    and wrap it; the gradient is first averaged densely over ``inner_axis``
-    (within a node: NVLink/PCIe), so only ``tx``'s compressed payload crosses
-    the slow links.
-
-    * ``inner_size`` given (sharded, the efficient form): each of the node's
-      ``inner_size`` workers runs ``tx`` on a 1/``inner_size`` shard of every
-      leaf, so its slow-link bytes are ``tx``'s bytes for a shard and a node
-      sends what one worker would send for the whole model. ``tx`` sees flat
-      shards (use it for element-wise compressors; leaf shapes are lost).
-    * ``inner_size=None`` (replicated): dense mean over the inner axis, then
-      ``tx`` on the whole gradient on every worker (keeps leaf shapes, e.g.
-      for PowerSGD); every worker of a node sends the same payload.
+    Rule: average densely over ``inner_axis`` (within a node), then run ``tx`` (built
+    over the slow axis) on a 1/``inner_size`` shard per worker (``inner_size`` given)
+    or on the whole gradient (``None``, keeps leaf shapes, e.g. for PowerSGD).
+    Wire: only ``tx``'s payload crosses the slow links (sharded: a node sends what one
+    worker would for the whole model).
 
     Args:
-      tx: the transform for the slow axis (e.g. ``jaxcomm.topk(0.01,
-        axis_name="node")``), or any optax chain containing one.
+      tx: the transform for the slow axis, or any optax chain containing one.
       inner_axis: the fast mesh axis name (e.g. ``"local"``).
-      inner_size: number of workers on ``inner_axis`` (sizes the sharded
-        state); ``None`` for the replicated form.
-      bucket_bytes: the inner axis's reduce-scatter / all-gather (or dense
-        mean) go one collective per bucket of this many bytes
-        (:mod:`jaxcomm.buckets`; default ``"auto"``); ``None``: one per leaf.
-        ``tx`` buckets its own slow-axis exchange.
+      inner_size: workers on ``inner_axis``; ``None`` for the replicated form.
+      bucket_bytes: inner-axis collective buckets (:mod:`jaxcomm.buckets`; ``"auto"``).
 
     Returns:
-      An ``optax.GradientTransformation`` returning the mean over both axes
-      of the decoded updates.
+      An ``optax.GradientTransformation`` returning the mean over both axes.
 
     Example:
-      >>> mesh = jax.make_mesh((4, 8), ("node", "local"))
       >>> tx = jaxcomm.hierarchical(jaxcomm.topk(0.01, axis_name="node"),
       ...                           inner_axis="local", inner_size=8)
-      >>> jaxcomm.wire_bytes(tx, params, {"node": 4, "local": 8}, axis="node")
     """
+    # Notes. Sharded (``inner_size`` given, the efficient form): each of the node's ``inner_size``
+    # workers runs ``tx`` on a 1/``inner_size`` shard of every leaf, so its slow-link bytes are
+    # ``tx``'s bytes for a shard; ``tx`` sees flat shards (use it for element-wise compressors; leaf
+    # shapes are lost). Replicated (``inner_size=None``): every worker of a node sends the same
+    # payload. ``bucket_bytes``: the inner axis's reduce-scatter / all-gather (or dense mean) go one
+    # collective per bucket of this many bytes; ``None``: one per leaf; ``tx`` buckets its own
+    # slow-axis exchange. Bytes: ``jaxcomm.wire_bytes(tx, params, {"node": 4, "local": 8},
+    # axis="node")`` on ``jax.make_mesh((4, 8), ("node", "local"))``.
     if not isinstance(inner_axis, str):
         raise TypeError(f"inner_axis: expected a mesh axis name (str), got {inner_axis!r}")
     if inner_size is not None and (

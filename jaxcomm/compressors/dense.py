@@ -161,23 +161,15 @@ def cast(
 ) -> optax.GradientTransformation:
     """Exchange gradients in a 16-bit float (fp16 or bf16): 2 bytes per entry.
 
-    XLA:CPU moves a 16-bit all-reduce as 4 bytes per entry (bf16 promoted by
-    XLA, fp16 widened by :class:`Cast`), and the wire report says so; GPU
-    (NCCL) and TPU reduce bf16 and fp16 natively.
+    Rule: round to ``dtype`` and average (``"psum"``) or all-gather the 16-bit bits
+    and sum in float32 (``"all_gather"``, exact).
+    Wire: 2 bytes per entry (XLA:CPU moves a 16-bit all-reduce as 4, and says so).
 
     Args:
       dtype: ``jnp.bfloat16`` (default) or ``jnp.float16`` (or their names).
-      accumulate: ``"psum"``: one all-reduce in the 16-bit dtype (fp16 sends
-        ``g / n``: no overflow when every ``|g|`` fits fp16, entries below
-        ~6e-8·n underflow to zero). ``"all_gather"``: ``uint16`` bits over
-        the wire (see ``exchange``), summed in float32: exact, 2 bytes per
-        entry on every backend. ``"auto"`` (default): ``"psum"`` on GPU/TPU
-        and without an axis, ``"all_gather"`` on CPU (decided at first init
-        or trace, safe before ``jax.distributed.initialize``) and with
-        ``exchange="two_phase"`` or ``"reduce_scatter"``. Pass it explicitly
-        to move an error-feedback checkpoint between CPU and GPU/TPU runs:
-        from 3 workers the CPU choice keeps a server residual
-        (``state.server``) that the psum does not have.
+      accumulate: ``"psum"``, ``"all_gather"`` or ``"auto"`` (default: psum on GPU/TPU,
+        all_gather on CPU); pass it explicitly to move an error-feedback checkpoint
+        between CPU and GPU/TPU runs.
       **options: ``axis_name`` (``None`` rounds locally), ``error_feedback``
         (default ``False``; keeps the rounding error), ``min_size``,
         ``state_dtype``, ``bucket_bytes``, ``exchange``: see
@@ -197,6 +189,16 @@ def cast(
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv:1710.03740.
     """
+    # Notes. XLA:CPU moves a 16-bit all-reduce as 4 bytes per entry (bf16 promoted by XLA, fp16
+    # widened by :class:`Cast`), and the wire report says so; GPU (NCCL) and TPU reduce bf16 and
+    # fp16 natively. ``accumulate="psum"``: one all-reduce in the 16-bit dtype (fp16 sends ``g /
+    # n``: no overflow when every ``|g|`` fits fp16, entries below ~6e-8·n underflow to zero).
+    # ``"all_gather"``: ``uint16`` bits over the wire (see ``exchange``), summed in float32: exact,
+    # 2 bytes per entry on every backend. ``"auto"``: ``"psum"`` on GPU/TPU and without an axis,
+    # ``"all_gather"`` on CPU (decided at first init or trace, safe before
+    # ``jax.distributed.initialize``) and with ``exchange="two_phase"`` or ``"reduce_scatter"``.
+    # From 3 workers the CPU choice keeps a server residual (``state.server``) that the psum does
+    # not have.
     o = take(
         "cast",
         options,

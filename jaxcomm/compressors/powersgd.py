@@ -252,29 +252,18 @@ def powersgd(
 ) -> optax.GradientTransformation:
     """PowerSGD low-rank gradient compression (Vogels et al. 2019).
 
-    Every leaf viewed as a matrix ``M`` (``a×b``, see ``matrix_view``) that a
-    rank-r approximation shrinks by ``min_compression_rate`` travels as
-    ``P = Σ_w M_w Q`` (all-reduce 1) and ``Q̄ = mean_w M_wᵀ P̂`` (all-reduce 2,
-    ``P̂`` the orthonormalised ``P``); the update is ``P̂ Q̄ᵀ``, Q̄ warm-starts
-    the next step, each worker keeps its error ``M_w − P̂ Q_wᵀ``. Other leaves
-    are averaged densely. Wire per worker per step: ``Σ (a+b)·r·4`` bytes plus
-    the dense leaves'. Step by step, with torch's options:
-    :mod:`jaxcomm.compressors.powersgd`. Apply momentum after this transform
-    (``optax.sgd(lr, momentum=0.9)``), as the paper does.
+    Rule: each leaf viewed as a matrix ``M`` (``a×b``) sends ``P = Σ_w M_w Q`` and
+    ``Q̄ = mean_w M_wᵀ P̂`` (``P̂`` orthonormalised); the update is ``P̂ Q̄ᵀ``.
+    Wire: ``Σ (a+b)·r·4`` bytes per worker per step (two all-reduces) plus the dense
+    leaves'. Chain momentum after it. A NaN/Inf on any worker makes the output NaN:
+    skip such steps with :func:`jaxcomm.skip_nonfinite`.
 
     Args:
-      rank: rank r of the approximation, >= 1 (capped at ``min(a, b)``).
-      start_iter: steps of plain dense averaging (no error feedback) before
-        PowerSGD starts, >= 0.
-      min_compression_rate: compress a matrix only if ``(a+b)·r`` is smaller
-        than ``a·b / min_compression_rate``; > 0.
-      warm_start: reuse last step's Q̄; otherwise draw a fresh shared Q every step.
-      orthogonalization_epsilon: added to column norms in Gram-Schmidt, >= 0.
-      batch_same_shape: one batched matmul per group of equal (a, b, r), faster
-        for many equal layers (e.g. transformer blocks); same result and bytes.
-      matrix_view: ``"last"`` (default): ``(rest, shape[-1])``, for Flax/JAX
-        layouts; ``"first"``: ``(shape[0], rest)``, torch's, for torch-layout
-        weights. :func:`leaf_plan` lists which leaves are compressed and why.
+      rank: rank r, >= 1 (capped at ``min(a, b)``). start_iter: dense steps first, >= 0.
+      min_compression_rate: compress only if ``(a+b)·r < a·b / min_compression_rate``; > 0.
+      warm_start: reuse last step's Q̄. orthogonalization_epsilon: Gram-Schmidt's, >= 0.
+      batch_same_shape: one batched matmul per group of equal (a, b, r); same result.
+      matrix_view: ``"last"``: ``(rest, shape[-1])``; ``"first"``: ``(shape[0], rest)``.
       **options: ``key`` (required: the initial Q's, shared by all workers: pass the same
         key everywhere; it is not folded with the worker index), ``axis_name`` (``None``
         compresses locally), ``error_feedback`` (keep ``M_w − P̂ Q_wᵀ`` and add it to the
@@ -283,24 +272,22 @@ def powersgd(
         matrix) and ``state_dtype`` (the residual's): see :class:`jaxcomm.options.Options`.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`PowerSGDState`. Updates
-      keep their dtype; the matmuls run in float32, Q is float32.
-
-    A NaN/Inf gradient on any worker reaches every worker (P is shared): every
-    compressed leaf's output is NaN and ``q``, ``residual`` stay unchanged
-    (``state.nonfinite`` counts it). Skip such steps with
-    :func:`jaxcomm.skip_nonfinite`, not ``optax.apply_if_finite`` (a worker
-    that skips alone leaves the others waiting in the collective). Integer or
-    bool leaves raise ``TypeError``.
+      An ``optax.GradientTransformation`` with :class:`PowerSGDState`.
 
     Example:
       >>> tx = optax.chain(jaxcomm.powersgd(2, key=jax.random.key(0), axis_name="data"),
       ...                  optax.sgd(0.1, momentum=0.9))
 
     References:
-      Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
-      Distributed Optimization", NeurIPS 2019, arXiv:1905.13727. PyTorch ``powerSGD_hook``.
+      Vogels, Karimireddy & Jaggi, "PowerSGD", NeurIPS 2019, arXiv:1905.13727.
     """
+    # Notes. Step by step, with torch's options: the module docstring. ``start_iter``: plain dense
+    # averaging, no error feedback. ``matrix_view="last"`` suits Flax/JAX layouts, ``"first"``
+    # torch-layout weights; :func:`leaf_plan` lists which leaves are compressed and why.
+    # ``batch_same_shape`` is faster for many equal layers (e.g. transformer blocks), same bytes.
+    # Updates keep their dtype; the matmuls run in float32, Q is float32. A NaN/Inf reaches every
+    # worker because P is shared (``state.nonfinite`` counts it); ``optax.apply_if_finite`` would
+    # leave the other workers waiting in the collective. Integer or bool leaves raise ``TypeError``.
     given = take("powersgd", options, OPTIONS)
     args = (given["axis_name"], rank, start_iter, min_compression_rate, orthogonalization_epsilon)
     flags = (given["error_feedback"], warm_start, batch_same_shape)

@@ -101,20 +101,12 @@ def int8(
 ) -> optax.GradientTransformation:
     """Int8 quantisation with one max-abs scale per bucket (1 byte per entry).
 
-    Rule: the flat leaf is cut into buckets of ``bucket_size`` entries; in
-    bucket j, ``scale_j = max|p|/127`` and ``q_i = round(p_i/scale_j)`` in
-    ``[-127, 127]``, stochastically rounded (``floor(p_i/scale_j + u)``,
-    ``u ~ U[0,1)``; unbiased: ``E[scale_j·q_i] = p_i``) by default. Workers
-    all-gather their int8 codes and float32 scales and each decodes and sums
-    them (exact float32 accumulation).
-
-    Wire per worker per leaf: ``d + 4·ceil(d/bucket_size)`` bytes (an
-    all-gather: a worker receives ``(n-1)`` times that).
+    Rule: per bucket, ``q_i = round(p_i/scale)``, ``scale = max|p|/127`` (stochastic: unbiased).
+    Wire per worker per leaf: ``d + 4·ceil(d/bucket_size)`` bytes, all-gathered.
 
     Args:
       bucket_size: entries sharing one scale, >= 1.
-      stochastic: stochastic (unbiased) rounding; ``False`` rounds to nearest
-        (deterministic, biased, no key needed).
+      stochastic: stochastic rounding; ``False`` rounds to nearest (no key needed).
       **options: ``axis_name``, ``key`` (required when ``stochastic``; workers
         draw independent rounding noise), ``error_feedback`` (default
         ``False``), ``min_size``, ``state_dtype``, ``bucket_bytes``,
@@ -124,14 +116,17 @@ def int8(
       An ``optax.GradientTransformation``; updates keep their dtype.
 
     Example:
-      >>> tx = optax.chain(jaxcomm.int8(key=jax.random.key(0), axis_name="data"),
-      ...                  optax.sgd(0.1))
+      >>> tx = optax.chain(jaxcomm.int8(key=jax.random.key(0), axis_name="data"), optax.sgd(0.1))
 
     References:
-      Dettmers, "8-Bit Approximations for Parallelism in Deep Learning",
-      ICLR 2016, arXiv:1511.04561. Gupta et al., "Deep Learning with Limited
-      Numerical Precision" (stochastic rounding), ICML 2015, arXiv:1502.02551.
+      Dettmers, "8-Bit Approximations for Parallelism in Deep Learning", ICLR 2016,
+      arXiv:1511.04561. Gupta et al. (stochastic rounding), ICML 2015, arXiv:1502.02551.
     """
+    # Notes. Stochastic rounding is ``floor(p_i/scale_j + u)``, ``u ~ U[0,1)``, so ``E[scale_j·q_i]
+    # = p_i``; round-to-nearest is deterministic and biased. Workers all-gather their int8 codes and
+    # float32 scales and each decodes and sums them (exact float32 accumulation); a worker receives
+    # ``(n-1)`` times its bytes. References: Dettmers, arXiv:1511.04561; Gupta et al., "Deep
+    # Learning with Limited Numerical Precision" (stochastic rounding), ICML 2015, arXiv:1502.02551.
     o = take("int8", options, _QUANTISER_OPTIONS, error_feedback=False)
     bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
     if stochastic:
@@ -199,16 +194,9 @@ def qsgd(
 ) -> optax.GradientTransformation:
     """QSGD: unbiased stochastic quantisation to ``levels`` levels per bucket.
 
-    Rule (Alistarh et al. 2017), per bucket ``v`` of ``bucket_size`` entries
-    and ``s = levels``: ``l_i = floor(s|v_i|/‖v‖₂)``; ``ξ_i = l_i + 1`` with
-    probability ``s|v_i|/‖v‖₂ − l_i``, else ``l_i``;
-    ``Q(v_i) = ‖v‖₂·sign(v_i)·ξ_i/s``. Unbiased, with
-    ``E‖Q(v) − v‖² <= min(b/s², √b/s)·‖v‖²`` per bucket of b entries.
-
-    Wire per worker per leaf: a sign bit and ``ceil(log2(s+1))`` level bits
-    per entry, bit-packed into uint32 words, plus one float32 norm per bucket:
-    ``4·ceil(d·(1+ceil(log2(s+1)))/32) + 4·ceil(d/bucket_size)`` bytes, all-gathered
-    (e.g. s=16: 6 bits per entry, ~0.19 of fp32).
+    Rule: per bucket ``v``, ``Q(v_i) = ‖v‖₂·sign(v_i)·ξ_i/s``, ``ξ_i`` ~ ``s|v_i|/‖v‖₂`` rounded.
+    Wire per worker per leaf: ``4·ceil(d·(1+ceil(log2(s+1)))/32) + 4·ceil(d/bucket_size)``
+    bytes, all-gathered (s=16: ~0.19 of fp32).
 
     Args:
       levels: number of levels s, in [1, 65535] (s=1: ternary, ~2 bits).
@@ -222,13 +210,15 @@ def qsgd(
       An ``optax.GradientTransformation``; updates keep their dtype.
 
     Example:
-      >>> tx = optax.chain(jaxcomm.qsgd(16, key=jax.random.key(0), axis_name="data"),
-      ...                  optax.sgd(0.1))
+      >>> tx = optax.chain(jaxcomm.qsgd(16, key=jax.random.key(0)), optax.sgd(0.1))
 
     References:
-      Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
-      Quantization and Encoding", NeurIPS 2017, arXiv:1610.02132.
+      Alistarh et al., "QSGD", NeurIPS 2017, arXiv:1610.02132.
     """
+    # Rule in full (Alistarh et al. 2017): ``l_i = floor(s|v_i|/‖v‖₂)``; ``ξ_i = l_i + 1`` with
+    # probability ``s|v_i|/‖v‖₂ − l_i``, else ``l_i``; ``E‖Q(v) − v‖² <= min(b/s², √b/s)·‖v‖²`` per
+    # bucket of b entries. Wire: a sign bit and ``ceil(log2(s+1))`` level bits per entry, bit-packed
+    # into uint32 words, plus one float32 norm per bucket (s=16: 6 bits per entry).
     o = take("qsgd", options, _QUANTISER_OPTIONS, error_feedback=False)
     levels = checks.check_int(levels, "levels", 1, MAX_LEVELS)
     bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
@@ -351,27 +341,15 @@ def terngrad(
 ) -> optax.GradientTransformation:
     """TernGrad: unbiased ternary gradients ``s·sign(g)·b``, ``b ~ Bernoulli(|g|/s)``.
 
-    Rule (Wen et al. 2017), per leaf: optionally clip ``g`` to
-    ``[-c·σ, c·σ]`` (σ the standard deviation of the leaf's entries,
-    ``c = clip_sigma``); ``s = max|g|``; ``b_i ~ Bernoulli(|g_i|/s)``;
-    ``g̃ = s·sign(g)·b``. Unbiased for the (clipped) gradient.
-
-    With ``share_scale`` (scaler sharing, the paper's default) the workers
-    first agree on ``s = max_w s_w`` (a 4-byte ``pmax``); the ternary codes are
-    then all on one scale and are *summed* with an all-reduce of small
-    integers: codes ``t+1 ∈ {0,1,2}`` in fields of ``w = bit_length(2n)`` bits
-    packed ``⌊32/w⌋`` to a uint32 word. The sum of a field over n workers is
-    at most ``2n < 2**w``, so no field overflows into the next, for any static
-    axis size n (n=8: 5-bit fields, 6 per word; n <= 127: at most the size of
-    an int8 psum). Without ``share_scale`` each worker's 2-bit codes (16 per
-    uint32 word) and float32 scale are all-gathered.
-
-    Wire per worker per leaf: share_scale: ``4·ceil(d/⌊32/w⌋) + 4`` bytes
-    (all-reduce); else ``4·ceil(d/16) + 4`` bytes (all-gather).
+    Rule per leaf: optionally clip ``g`` to ``[-c·σ, c·σ]``; ``s = max|g|``;
+    ``g̃ = s·sign(g)·b``, unbiased for the (clipped) gradient. With ``share_scale``
+    the workers agree on ``s`` (a 4-byte ``pmax``) and sum the codes in packed
+    ``w = bit_length(2n)``-bit fields; else 2-bit codes and a scale are all-gathered.
+    Wire per worker per leaf: ``4·ceil(d/⌊32/w⌋) + 4`` bytes (share_scale,
+    all-reduce), else ``4·ceil(d/16) + 4`` bytes (all-gather).
 
     Args:
-      clip_sigma: clip each leaf at ``clip_sigma`` standard deviations before
-        ternarising (2.5 in the paper), > 0; ``None`` disables clipping.
+      clip_sigma: clip at this many standard deviations (2.5 in the paper), > 0; ``None``: no clip.
       share_scale: agree on one scale across workers and psum the codes.
       **options: ``axis_name``, ``key`` (required; workers draw independent
         Bernoulli noise), ``error_feedback`` (default ``False``; keeps
@@ -389,9 +367,14 @@ def terngrad(
       ...                  optax.sgd(0.1))
 
     References:
-      Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
-      Distributed Deep Learning", NeurIPS 2017, arXiv:1705.07878.
+      Wen et al., "TernGrad", NeurIPS 2017, arXiv:1705.07878.
     """
+    # Notes. σ is the standard deviation of the leaf's entries; scaler sharing is the paper's
+    # default. With ``share_scale`` the codes ``t+1 ∈ {0,1,2}`` go in fields of ``w =
+    # bit_length(2n)`` bits packed ``⌊32/w⌋`` to a uint32 word. The sum of a field over n workers is
+    # at most ``2n < 2**w``, so no field overflows into the next, for any static axis size n (n=8:
+    # 5-bit fields, 6 per word; n <= 127: at most the size of an int8 psum). Without ``share_scale``
+    # each worker's 2-bit codes (16 per uint32 word) and float32 scale are all-gathered.
     o = take("terngrad", options, _QUANTISER_OPTIONS, error_feedback=False)
     require_key(o["key"], "for terngrad")
     if clip_sigma is not None:

@@ -109,17 +109,9 @@ def onebit(
 ) -> optax.GradientTransformation:
     """1-bit SGD: signs with two reconstruction values, error feedback on.
 
-    Rule (Seide et al. 2014): ``p = g + e``; each entry is sent as one bit,
-    ``p_i >= 0`` or ``p_i < 0``, and reconstructed as the mean of the
-    non-negative entries or the mean of the negative entries of its group
-    (the two values that minimise the squared quantisation error);
-    ``e = p − p̂``. A group is the leaf (default) or a bucket of
-    ``bucket_size`` consecutive entries (e.g. a row of a row-major matrix:
-    ``bucket_size=shape[-1]``; the paper uses one pair per matrix column).
-
-    Wire per worker per leaf: ``4·ceil(d/32) + 8·ceil(d/bucket_size)`` bytes
-    (sign bits in uint32 words + two float32 values per group), all-gathered:
-    ~1/32 of fp32.
+    Rule (Seide et al. 2014): ``p = g + e``; each entry is sent as its sign and
+    rebuilt as the mean of its group's entries of that sign; ``e = p − p̂``.
+    Wire per worker per leaf: ``4·ceil(d/32) + 8·ceil(d/bucket_size)`` bytes, all-gathered.
 
     Args:
       bucket_size: entries sharing one pair of values, >= 1; ``None``: the leaf.
@@ -138,6 +130,11 @@ def onebit(
       Seide et al., "1-Bit Stochastic Gradient Descent and its Application to
       Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
     """
+    # Notes. The two values (the mean of the non-negative entries and of the negative ones) minimise
+    # the squared quantisation error. A group is the leaf (default) or a bucket of ``bucket_size``
+    # consecutive entries (e.g. a row of a row-major matrix: ``bucket_size=shape[-1]``; the paper
+    # uses one pair per matrix column). Wire: sign bits in uint32 words + two float32 values per
+    # group, ~1/32 of fp32.
     o = take("onebit", options, _SIGN_OPTIONS)
     if bucket_size is not None:
         bucket_size = checks.check_int(bucket_size, "bucket_size", 1)
@@ -181,13 +178,9 @@ class ScaledSign(core.CompressorBase):
 def ef_sign(**options: Unpack[Options]) -> optax.GradientTransformation:
     """EF-SignSGD: the scaled sign ``(‖p‖₁/d)·sign(p)`` with error feedback.
 
-    Rule (Karimireddy et al. 2019), per leaf of d entries: ``p = g + e``;
-    ``C(p) = (‖p‖₁/d)·sign(p)``; ``e = p − C(p)``; the workers' ``C(p)`` are
-    averaged. An exact zero counts as positive (1 bit cannot say 0; the error
-    goes to the residual).
-
-    Wire per worker per leaf: ``4·ceil(d/32) + 4`` bytes (sign bits in uint32
-    words + one float32 scale), all-gathered: ~1/32 of fp32.
+    Rule (Karimireddy et al. 2019): ``p = g + e``; ``C(p) = (‖p‖₁/d)·sign(p)``;
+    ``e = p − C(p)``; the ``C(p)`` are averaged. An exact zero counts as positive.
+    Wire per worker per leaf: ``4·ceil(d/32) + 4`` bytes, all-gathered (~1/32 of fp32).
 
     Args:
       **options: ``axis_name``, ``error_feedback`` (keeps ``p − C(p)``;
@@ -202,9 +195,10 @@ def ef_sign(**options: Unpack[Options]) -> optax.GradientTransformation:
       >>> tx = optax.chain(jaxcomm.ef_sign(axis_name="data"), optax.sgd(0.1))
 
     References:
-      Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
-      Compression Schemes", ICML 2019, arXiv:1901.09847.
+      Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019, arXiv:1901.09847.
     """
+    # Notes. An exact zero counts as positive: 1 bit cannot say 0; the error goes to the residual.
+    # Wire: sign bits in uint32 words + one float32 scale.
     return core.compress(ScaledSign(), **take("ef_sign", options, _SIGN_OPTIONS))
 
 
@@ -263,23 +257,12 @@ class MajorityVote(core.CompressorBase):
 def sign_majority(**options: Unpack[Options]) -> optax.GradientTransformation:
     """signSGD with majority vote: every worker gets ``sign(Σ_w sign(g_w))``.
 
-    Rule (Bernstein et al. 2018): each worker sends ``sign(g)`` (−1, 0, +1);
-    the update is the sign of the sum of votes (0 on a tie). No error
-    feedback. The output has entries in {−1, 0, +1} whatever the gradient's
-    scale: the optimizer's learning rate is the step size per weight, so
-    chain it with plain ``optax.sgd(lr)`` and a small lr (e.g. 1e-3).
-    Signum puts momentum *before* the sign:
-    ``optax.chain(optax.trace(0.9), jaxcomm.sign_majority(...), optax.sgd(lr))``;
-    momentum after the vote (``optax.sgd(lr, momentum=0.9)``) is not Signum.
-
-    The votes are summed with one all-reduce of small integers: ``sign + 1``
-    in a field of ``w = bit_length(2n)`` bits, ``⌊32/w⌋`` fields per uint32
-    word. A field's sum is at most ``2n < 2**w``, so it cannot overflow for
-    the (static) axis size n: n=8 -> 5-bit fields (6 per word, 5.3 bits per
-    entry), 64 <= n <= 127 -> 8-bit fields (exactly an int8 psum), larger n
-    -> wider fields, up to 32 bits.
-
-    Wire per worker per leaf: ``4·ceil(d/⌊32/w⌋)`` bytes, all-reduced.
+    Rule (Bernstein et al. 2018): each worker votes ``sign(g)``; the update is the
+    sign of the votes' sum (0 on a tie), in {−1, 0, +1}: chain plain ``optax.sgd(lr)``
+    with a small lr. Signum puts momentum before:
+    ``optax.chain(optax.trace(0.9), jaxcomm.sign_majority(...), optax.sgd(lr))``.
+    Wire per worker per leaf: ``4·ceil(d/⌊32/w⌋)`` bytes, all-reduced (votes in
+    ``w = bit_length(2n)``-bit fields; n=8: 5.3 bits per entry).
 
     Args:
       **options: ``axis_name`` (the axis to vote over; ``None`` returns
@@ -295,11 +278,16 @@ def sign_majority(**options: Unpack[Options]) -> optax.GradientTransformation:
       >>> tx = optax.chain(jaxcomm.sign_majority(axis_name="data"), optax.sgd(1e-3))
 
     References:
-      Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex
-      Problems", ICML 2018, arXiv:1802.04434. Bernstein et al., "signSGD with
-      Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019,
-      arXiv:1810.05291.
+      Bernstein et al., "signSGD", ICML 2018, arXiv:1802.04434; "signSGD with
+      Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019, arXiv:1810.05291.
     """
+    # Notes. The output has entries in {−1, 0, +1} whatever the gradient's scale: the optimizer's
+    # learning rate is the step size per weight (e.g. 1e-3). Momentum after the vote
+    # (``optax.sgd(lr, momentum=0.9)``) is not Signum. The votes are summed with one all-reduce of
+    # small integers: ``sign + 1`` in a field of ``w = bit_length(2n)`` bits, ``⌊32/w⌋`` fields per
+    # uint32 word. A field's sum is at most ``2n < 2**w``, so it cannot overflow for the (static)
+    # axis size n: n=8 -> 5-bit fields (6 per word), 64 <= n <= 127 -> 8-bit fields (exactly an int8
+    # psum), larger n -> wider fields, up to 32 bits.
     o = take("sign_majority", options, ("axis_name", "min_size", "state_dtype", "bucket_bytes"))
     o["axis_name"] = check_axis_name(o["axis_name"])
     return core.compress(MajorityVote(o["axis_name"]), **o, error_feedback=False)

@@ -105,29 +105,13 @@ class TwoBitServer(core.CompressorBase):
 def twobit(threshold: float = 0.5, **options: Unpack[Options]) -> optax.GradientTransformation:
     """MXNet's 2-bit gradient compression with a residual.
 
-    Rule (MXNet kvstore ``type='2bit'``), per entry with threshold τ:
-    ``r += g``; ``q = +τ if r >= τ, −τ if r <= −τ, else 0``; ``r −= q``. The
-    residual ``r`` is the error-feedback memory (always on). Note that at
-    most τ leaves the residual per step: pick τ near the typical size of a
-    gradient entry (the default 0.5 is MXNet's, tuned for its models).
-
-    Wire per worker per leaf: ``4·ceil(d/16)`` bytes (2-bit codes, 16 per
-    uint32 word), all-gathered: 1/16 of fp32.
-
-    On the two-phase exchange (``exchange="auto"`` picks it on more than two
-    workers where it moves fewer bytes) the workers send their chunks with
-    this rule; the owner of chunk j averages them, adds its server residual,
-    ``s = mean + r_s``, and re-quantises with a scale of its own, not τ
-    (:class:`TwoBitServer`): ``a = mean |s|`` over the chunk,
-    ``q = +a if s >= a/2, −a if s <= −a/2, else 0``, ``r_s = s − q``; it
-    all-gathers the 2-bit codes and ``a`` (one float32 per chunk). A worker
-    sends ``(n-1)·(2·4·ceil(c/16) + 4)`` bytes per leaf, ``c = ceil(d/n)``.
-    (With τ on the server, a mean, in steps of τ/n, moved only where all n
-    workers agreed: the first step's update was nearly orthogonal to the
-    worker mean.)
+    Rule (MXNet kvstore ``type='2bit'``), per entry with threshold τ: ``r += g``;
+    ``q = ±τ if ±r >= τ, else 0``; ``r −= q``. Pick τ near a gradient entry's size.
+    Wire per worker per leaf: ``4·ceil(d/16)`` bytes (2-bit codes), all-gathered; on
+    the two-phase exchange ``(n-1)·(2·4·ceil(c/16) + 4)``, ``c = ceil(d/n)``.
 
     Args:
-      threshold: τ > 0.
+      threshold: τ > 0 (the default 0.5 is MXNet's, tuned for its models).
       **options: ``axis_name``, ``min_size``, ``state_dtype``,
         ``bucket_bytes``, ``exchange``: see :class:`jaxcomm.options.Options`.
         No ``error_feedback``: the residual is the method (always on).
@@ -139,10 +123,17 @@ def twobit(threshold: float = 0.5, **options: Unpack[Options]) -> optax.Gradient
       >>> tx = optax.chain(jaxcomm.twobit(0.5, axis_name="data"), optax.sgd(0.1))
 
     References:
-      MXNet, "Gradient Compression" (kvstore.set_gradient_compression,
-      type '2bit'), 2017. Strom, "Scalable Distributed DNN Training Using
-      Commodity GPU Cloud Computing", Interspeech 2015.
+      MXNet, "Gradient Compression" (type '2bit'), 2017. Strom, "Scalable Distributed
+      DNN Training Using Commodity GPU Cloud Computing", Interspeech 2015.
     """
+    # At most τ leaves the residual per step. Two-phase exchange (``exchange="auto"`` picks it on
+    # more than two workers where it moves fewer bytes): the workers send their chunks with this
+    # rule; the owner of chunk j averages them, adds its server residual, ``s = mean + r_s``, and
+    # re-quantises with a scale of its own, not τ (:class:`TwoBitServer`): ``a = mean |s|`` over the
+    # chunk, ``q = +a if s >= a/2, −a if s <= −a/2, else 0``, ``r_s = s − q``; it all-gathers the
+    # 2-bit codes and ``a`` (one float32 per chunk). (With τ on the server, a mean, in steps of τ/n,
+    # moved only where all n workers agreed: the first step's update was nearly orthogonal to the
+    # worker mean.)
     names = ("axis_name", "min_size", "state_dtype", "bucket_bytes", "exchange")
     o = take("twobit", options, names)
     threshold = checks.check_positive(threshold, "threshold")

@@ -33,44 +33,38 @@ def muloco(
 ) -> optax.GradientTransformation:
     """MuLoCo: ``every`` Muon steps per worker, then DiLoCo's Nesterov outer step.
 
-    Exactly ``jaxcomm.diloco(optax.contrib.muon(learning_rate, beta=momentum,
-    weight_decay=weight_decay, **muon_options), every=every,
-    axis_name=axis_name, outer=outer, compressor=compressor)``. The Muon
-    state (its momentum) is per worker and kept across rounds. With
-    ``compressor`` (e.g. ``jaxcomm.topk(0.25, axis_name="data")`` or
-    ``jaxcomm.int8(axis_name="data")``, built with the same ``axis_name``)
-    the pseudo-gradient is sent compressed with that compressor's error
-    feedback, and the outer optimizer sees the mean of what was sent.
+    Rule: exactly ``jaxcomm.diloco(optax.contrib.muon(learning_rate, beta=momentum,
+    weight_decay=weight_decay, **muon_options), every, axis_name, outer, compressor)``.
+    Wire: :func:`jaxcomm.diloco`'s, one (compressed) pseudo-gradient mean per round.
 
     Args:
       learning_rate: Muon's learning rate (a float or an optax schedule).
       every: inner steps per outer step (H), an int >= 1.
       axis_name: mesh axis to average over; ``None``: a single worker.
-      outer: the outer optimizer; ``None``: DiLoCo's
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+      outer: the outer optimizer; ``None``: ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       compressor: ``None`` (a dense mean), a jaxcomm transform built with the
-        same ``axis_name`` or a :class:`jaxcomm.Compressor` (see
-        :func:`jaxcomm.diloco`).
-      momentum: Muon's momentum ``beta``, as optax names it.
-      weight_decay: Muon's decoupled weight decay.
-      muon_options: further keyword arguments of ``optax.contrib.muon``
-        (e.g. ``{"ns_steps": 5, "adam_learning_rate": 3e-4}``).
+        same ``axis_name`` or a :class:`jaxcomm.Compressor` (see :func:`jaxcomm.diloco`).
+      momentum: Muon's momentum ``beta``. weight_decay: Muon's decoupled weight decay.
+      muon_options: further keyword arguments of ``optax.contrib.muon`` (e.g. ``{"ns_steps": 5}``).
       bucket_bytes: tensor fusion of the dense averaging (see :func:`jaxcomm.compress`).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`jaxcomm.sync.DiLoCoState`;
-      its ``update`` requires ``params``.
+      An ``optax.GradientTransformation`` with :class:`jaxcomm.sync.DiLoCoState`; needs ``params``.
 
     Example:
-      >>> tx = jaxcomm.muloco(0.02, every=30, axis_name="data",
-      ...                     compressor=jaxcomm.topk(0.25, axis_name="data"))
+      >>> tx = jaxcomm.muloco(0.02, every=30, axis_name="data")
 
     References:
       Thérien, Huang, Rish & Belilovsky, "MuLoCo: Muon is a practical inner
-      optimizer for DiLoCo", 2025, arXiv:2505.23725. Jordan et al., "Muon:
-      An optimizer for hidden layers in neural networks", 2024 (blog post).
+      optimizer for DiLoCo", 2025, arXiv:2505.23725. Jordan et al., "Muon", 2024.
       Douillard et al., "DiLoCo", 2023, arXiv:2311.08105.
     """
+    # Notes. The Muon state (its momentum) is per worker and kept across rounds. With ``compressor``
+    # (e.g. ``jaxcomm.topk(0.25, axis_name="data")`` or ``jaxcomm.int8(axis_name="data")``, built
+    # with the same ``axis_name``) the pseudo-gradient is sent compressed with that compressor's
+    # error feedback, and the outer optimizer sees the mean of what was sent. Muon: Jordan et al.,
+    # "Muon: An optimizer for hidden layers in neural networks", 2024 (blog post). DiLoCo: Douillard
+    # et al., 2023, arXiv:2311.08105.
     options = dict(muon_options or {})
     clash = {"learning_rate", "beta", "weight_decay"} & set(options)
     if clash:

@@ -199,19 +199,11 @@ def sparseloco(
 ) -> optax.GradientTransformation:
     """SparseLoCo: local steps, then a top-k, 2-bit, error-feedback-compressed outer step.
 
-    Each worker runs ``inner`` on its own params. On every ``every``-th step
-    (as :func:`jaxcomm.diloco`) it folds ``delta = anchor - (params + u)``
-    into its error buffer, ``e = error_decay·e + delta``, sends
-    ``c = Q(TopK(e))`` (the codec: see the module docstring) and keeps
-    ``e -= c``; the step returns ``anchor - params`` for the new
-    ``anchor -= outer_learning_rate·mean(c)``: every worker adopts it. The
-    decayed error buffer stands in for outer momentum; it and the inner state
-    are per worker and kept across rounds (params too, see :mod:`jaxcomm.sync`).
-
-    Wire: :func:`sparseloco_sync_bytes` per synchronisation and worker (one
-    all-gather); other steps send nothing. A NaN/Inf pseudo-gradient reaches
-    every worker's anchor and the error buffer (the NaN rule): wrap the
-    transform in :func:`jaxcomm.skip_nonfinite` to skip such steps.
+    Rule, every ``every``-th step: ``e = error_decay·e + (anchor - (params + u))``,
+    send ``c = Q(TopK(e))`` per chunk, ``e -= c``, ``anchor -= α·mean(c)``; every
+    worker adopts the anchor. Wire: :func:`sparseloco_sync_bytes` per sync and worker
+    (one all-gather); other steps send nothing. Skip NaN/Inf steps with
+    :func:`jaxcomm.skip_nonfinite`.
 
     Args:
       inner: the inner (local) optimizer, e.g. ``optax.adamw(1e-3)``.
@@ -219,27 +211,28 @@ def sparseloco(
       axis_name: mesh axis to average over; ``None``: one worker (the compression still runs).
       outer_learning_rate: ``alpha``, a float > 0.
       error_decay: ``beta``, the decay of the error buffer, in [0, 1].
-      chunk: entries per chunk, an int >= 1 (a leaf smaller than ``chunk`` is
-        one chunk; the last chunk of a leaf is zero-padded).
-      topk: entries kept per chunk, an int in [1, chunk] (a leaf of ``d <
-        chunk`` entries keeps ``max(1, ceil(topk·d/chunk))``).
+      chunk: entries per chunk, an int >= 1 (the last chunk of a leaf is zero-padded).
+      topk: entries kept per chunk, an int in [1, chunk].
       bits: bits per kept value, an int in [1, 16].
-      state_dtype: dtype of the error buffer (``None``: float32 for 16-bit
-        params, the params' dtype otherwise).
+      state_dtype: the error buffer's (``None``: float32 for 16-bit params, else theirs).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`SparseLoCoState`; its
-      ``update`` requires ``params``. Updates keep the params' dtypes.
+      An ``optax.GradientTransformation`` with :class:`SparseLoCoState`; needs ``params``.
 
     Example:
       >>> tx = jaxcomm.sparseloco(optax.adamw(1e-3), every=30, axis_name="data")
 
     References:
       Sarfi, Thérien, Lidin & Belilovsky, "Communication Efficient LLM
-      Pre-training with SparseLoCo", 2025, arXiv:2508.15706. Douillard et
-      al., "DiLoCo: Distributed Low-Communication Training of Language
-      Models", 2023, arXiv:2311.08105.
+      Pre-training with SparseLoCo", 2025, arXiv:2508.15706. Douillard et al., "DiLoCo",
+      2023, arXiv:2311.08105.
     """
+    # Notes. The codec: see the module docstring. The decayed error buffer stands in for outer
+    # momentum; it and the inner state are per worker and kept across rounds (params too, see
+    # :mod:`jaxcomm.sync`). A NaN/Inf pseudo-gradient reaches every worker's anchor and the error
+    # buffer (the NaN rule). A leaf smaller than ``chunk`` is one chunk; a leaf of ``d < chunk``
+    # entries keeps ``max(1, ceil(topk·d/chunk))``. Updates keep the params' dtypes. See also
+    # Douillard et al., "DiLoCo", 2023, arXiv:2311.08105.
     inner = checks.check_tx(inner, "inner")
     every, alpha, beta, chunk, topk, bits = _check_options(
         every, outer_learning_rate, error_decay, chunk, topk, bits

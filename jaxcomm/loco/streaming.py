@@ -144,38 +144,34 @@ def streaming_diloco(
 ) -> optax.GradientTransformation:
     """Streaming DiLoCo: ``fragments`` staggered DiLoCo syncs, each merged ``delay`` steps late.
 
-    See the module docstring for the schedule and the merge rule.
+    Rule and bytes (each fragment a DiLoCo round): :mod:`jaxcomm.loco.streaming`.
 
     Args:
-      inner: the inner (local) optimizer, e.g. ``optax.adamw(4e-4)``.
-      every: inner steps between two syncs of one fragment (H), an int >= 1.
+      inner: the inner (local) optimizer. every: steps between a fragment's syncs, >= 1.
       fragments: number of fragments P, an int >= 1 dividing ``every``.
       axis_name: mesh axis to average over; ``None``: a single worker.
-      delay: inner steps between a fragment's send and its merge (tau),
-        in ``[0, every // fragments)``.
-      mix: weight of the local params at the merge (alpha), in ``[0, 1]``.
-      outer: the outer optimizer, default Nesterov SGD (lr 0.7, momentum 0.9).
-      compressor: ``None``, or a jaxcomm transform built with the same
-        ``axis_name`` (e.g. ``jaxcomm.int8(axis_name=..., exchange="two_phase")``)
-        or a :class:`jaxcomm.Compressor`; each fragment gets its own state.
+      delay: steps between a fragment's send and its merge, in ``[0, every // fragments)``.
+      mix: local params' weight at the merge, in ``[0, 1]``. outer: default Nesterov SGD.
+      compressor: ``None``, a jaxcomm transform (same ``axis_name``) or a ``Compressor``.
       bucket_bytes: tensor fusion of the dense averaging (see :func:`jaxcomm.compress`).
-      overlap: ``False``: the exchange runs inside the step at the send step
-        (the delay is simulated). ``True``: ``update`` never communicates;
-        :class:`jaxcomm.loco.Overlap` runs each fragment's exchange in a host
-        thread while the next ``delay`` (>= 1) steps run, with the same result.
+      overlap: ``True``: :class:`jaxcomm.loco.Overlap` runs the exchange in a thread.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`;
-      ``update`` requires ``params``.
+      An ``optax.GradientTransformation`` with :class:`StreamingDiLoCoState`; needs ``params``.
 
     Example:
-      >>> tx = jaxcomm.streaming_diloco(optax.adamw(4e-4), every=100, fragments=4,
-      ...                               delay=5, axis_name="data")
+      >>> tx = jaxcomm.streaming_diloco(optax.adamw(4e-4), every=100, fragments=4, delay=5)
 
     References:
-      Douillard et al., "Streaming DiLoCo with overlapping communication:
-      Towards a Distributed Free Lunch", 2025, arXiv:2501.18512.
+      Douillard et al., "Streaming DiLoCo with overlapping communication", 2025, arXiv:2501.18512.
     """
+    # Notes. ``compressor`` e.g. ``jaxcomm.int8(axis_name=..., exchange="two_phase")`` or a
+    # :class:`jaxcomm.Compressor`; each fragment gets its own state. ``overlap=False``: the exchange
+    # runs inside the step at the send step (the delay is simulated). ``overlap=True``: ``update``
+    # never communicates; :class:`jaxcomm.loco.Overlap` runs each fragment's exchange in a host
+    # thread while the next ``delay`` (>= 1) steps run, with the same result. ``delay`` is tau in
+    # the paper, ``mix`` alpha; the default outer optimizer is Nesterov SGD (lr 0.7, momentum 0.9).
+    # Title: "Towards a Distributed Free Lunch".
     rule = StreamingDiLoCo(
         inner, every=every, fragments=fragments, axis_name=axis_name, delay=delay, mix=mix,
         outer=outer, compressor=compressor, bucket_bytes=bucket_bytes,

@@ -159,35 +159,18 @@ def demo(
 ) -> optax.GradientTransformation:
     """DeMo (Peng et al. 2024): decoupled momentum, DCT top-k exchange, sign-SGD step.
 
-    Rule per leaf and step, with ``lr`` the learning rate at ``count``, ``g``
-    this worker's gradient and ``Δ`` its momentum (bloc97/DeMo's ``DeMo``):
-
-    * ``Δ ← β·Δ + lr·g`` (``β = compression_decay``);
-    * cut ``Δ`` into chunks (see :mod:`jaxcomm.optim.demo`), take each
-      chunk's orthonormal 2-D DCT-II, keep the ``k`` coefficients of largest
-      magnitude (values and indices); ``q`` = inverse DCT of those alone;
-      ``Δ ← Δ - q`` (the rest stays in the momentum: error feedback);
-    * all-gather values and indices over ``axis_name``; each coefficient is
-      the mean of the values the workers that kept it sent (the reference's
-      scatter mean, not the sum over n); ``t`` = inverse DCT of that;
-    * update ``-lr·sign(t) - lr·wd·p`` (sign SGD; decoupled weight decay).
-
-    Wire, per worker and step: for every chunk ``k`` values in the
-    gradient's dtype plus ``k`` indices (uint8 for chunks of <= 256 entries,
-    uint16 for <= 65536, else int32), two all-gathers per leaf. With the
-    defaults a 64×64 chunk sends 32·(4 + 2) bytes for its 4096 float32 entries.
-
-    The update is identical on every worker and already a step (chain no
-    optimizer after it); ``delta`` is per worker: under ``shard_map`` give the
-    state ``P("data")``, and with a schedule the update too (the step count is
-    per-worker state; or use ``pmap``). A NaN/Inf gradient on any worker makes
-    every worker's update NaN and leaves every worker's ``delta`` unchanged
-    (``state.nonfinite`` counts such steps). Integer or bool leaves raise
-    ``TypeError`` at ``init``: filter them out first (``optax.partition``).
+    Rule per leaf: ``Δ ← β·Δ + lr·g``; per chunk keep the ``k`` largest DCT-II
+    coefficients of ``Δ``, ``Δ ← Δ - q`` (``q`` their inverse DCT); all-gather them,
+    average each coefficient over the workers that sent it, ``t`` = its inverse DCT;
+    update ``-lr·sign(t) - lr·wd·p``. Chain no optimizer after it. The rule in full:
+    :mod:`jaxcomm.optim.demo`.
+    Wire per worker per step and chunk: ``k`` values plus ``k`` uint8/uint16/int32
+    indices (a 64×64 float32 chunk with the defaults: 32·(4 + 2) bytes).
+    A NaN/Inf gradient on any worker makes every update NaN and keeps ``delta``;
+    integer or bool leaves raise ``TypeError`` (``optax.partition`` them out).
 
     Args:
-      learning_rate: a float or an optax schedule of the step count; it
-        scales both the gradient added to the momentum and the sign step.
+      learning_rate: a float or an optax schedule of the step count.
       compression_decay: momentum decay ``β``, a float in [0, 1).
       compression_topk: coefficients kept per chunk, an int in ``[1, compression_chunk²]``.
       compression_chunk: target chunk side, an int >= 1.
@@ -195,7 +178,7 @@ def demo(
       axis_name: mesh axis to average over; ``None``: one worker (compressed locally).
 
     Returns:
-      An optimizer (``optax.GradientTransformation`` of parameter updates), :class:`DeMoState`.
+      An optimizer (``optax.GradientTransformation`` of updates) with :class:`DeMoState`.
 
     Example:
       >>> tx = jaxcomm.demo(1e-3, compression_topk=32, axis_name="data")
@@ -204,6 +187,14 @@ def demo(
       Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization",
       2024, arXiv:2411.19870 (code: github.com/bloc97/DeMo).
     """
+    # Notes (bloc97/DeMo's ``DeMo``). ``lr`` is the learning rate at ``count``; it scales both the
+    # gradient added to the momentum and the sign step. Each coefficient is the mean of the values
+    # the workers that kept it sent (the reference's scatter mean, not the sum over n); what is not
+    # sent stays in the momentum (error feedback). Indices are uint8 for chunks of <= 256 entries,
+    # uint16 for <= 65536, else int32; two all-gathers per leaf. The update is identical on every
+    # worker; ``delta`` is per worker: under ``shard_map`` give the state ``P("data")``, and with a
+    # schedule the update too (the step count is per-worker state; or use ``pmap``).
+    # ``state.nonfinite`` counts NaN/Inf steps.
     decay, topk, chunk = check_args(
         compression_decay, compression_topk, compression_chunk, weight_decay
     )

@@ -50,27 +50,18 @@ def onebit_adam(
 ) -> optax.GradientTransformation:
     """1-bit Adam (Tang et al. 2021): Adam, then 1-bit compressed momentum with a frozen variance.
 
-    Rule, per entry, with ``ḡ`` the worker mean of the gradients ``g_w``:
-
-    * warm-up (``t < warmup_steps``): ``ḡ`` by a dense all-reduce;
-      ``m ← β1·m + (1-β1)·ḡ``, ``v ← β2·v + (1-β2)·ḡ²``;
-    * compression stage: each worker forms ``m_w = β1·m + (1-β1)·g_w``; the
-      momentum is averaged by the compressed exchange with error feedback,
-      ``m ← C(m_w)``: scaled sign (``mean|x|·sign(x)``, one bit per entry
-      plus a float32 scale per chunk) on the two-phase exchange (worker and
-      server error feedback); ``v`` stays as it was at the end of warm-up;
-    * update ``-lr·(m/(√v + ε) + wd·p)``, no bias correction (as the paper).
-
-    After warm-up a worker sends about ``2(n-1)/n·d/8`` bytes per step
-    (two-phase) instead of Adam's dense all-reduce of ``4d``: ~1/28 of the
-    operand bytes at n = 8.
+    Rule: for ``warmup_steps`` steps, dense Adam; then each worker's
+    ``m_w = β1·m + (1-β1)·g_w`` is averaged by a scaled-sign (1 bit per entry)
+    two-phase exchange with error feedback, ``v`` stays frozen; update
+    ``-lr·(m/(√v + ε) + wd·p)``, no bias correction.
+    Wire per worker after warm-up: about ``2(n-1)/n·d/8`` bytes per step instead of
+    Adam's ``4d`` (~1/28 at n = 8).
 
     Args:
       learning_rate: a float or an optax schedule of the step.
       b1, b2, eps: Adam's (paper defaults 0.9, 0.999, 1e-8).
-      warmup_steps: dense Adam steps before the variance is frozen, an int
-        >= 0. The paper uses ~15-25% of training (e.g. 16% for BERT-Large);
-        the variance must have settled.
+      warmup_steps: dense Adam steps before the variance freezes, an int >= 0
+        (the paper: ~15-25% of training; the variance must have settled).
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
       **options: ``axis_name`` (``None``: one worker, compressed locally),
         ``exchange`` (``"auto"``, ``"two_phase"`` or ``"gather"``),
@@ -79,8 +70,7 @@ def onebit_adam(
         :class:`jaxcomm.options.Options`.
 
     Returns:
-      An optimizer (``optax.GradientTransformation`` returning the parameter
-      updates) with :class:`OnebitAdamState`.
+      An optimizer (``optax.GradientTransformation``) with :class:`OnebitAdamState`.
 
     Example:
       >>> tx = jaxcomm.onebit_adam(1e-3, warmup_steps=1000, axis_name="data")
@@ -89,6 +79,12 @@ def onebit_adam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
       with Adam's Convergence Speed", ICML 2021, arXiv:2102.02888.
     """
+    # Rule in detail, with ``ḡ`` the worker mean of the gradients ``g_w``: warm-up (``t <
+    # warmup_steps``): ``ḡ`` by a dense all-reduce; ``m ← β1·m + (1-β1)·ḡ``, ``v ← β2·v +
+    # (1-β2)·ḡ²``. Compression stage: ``m ← C(m_w)``, scaled sign (``mean|x|·sign(x)``, one bit per
+    # entry plus a float32 scale per chunk) on the two-phase exchange (worker and server error
+    # feedback); ``v`` stays as it was at the end of warm-up. The paper uses e.g. 16% warm-up for
+    # BERT-Large.
     o = take("onebit_adam", options, ("axis_name", "exchange", "min_size", "bucket_bytes"))
     warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
     eps = common.check_adam_args(b1, b2, eps, weight_decay)

@@ -137,28 +137,18 @@ def zero_one_adam(
 ) -> optax.GradientTransformation:
     """0/1 Adam (Lu et al. 2022): a thinning variance schedule, 1-bit exchanges, local steps.
 
-    Adam whose variance ``v`` is refreshed (dense all-reduce) on ever sparser
-    steps until ``var_freeze_step``, with 1-bit compressed momentum on the
-    steps between; after freezing, workers take local steps and sync a 1-bit
-    compressed accumulated update every ``local_interval`` steps (doubling up
-    to ``local_step_clipper``). Wire per worker: ``4d`` bytes on a variance
-    step, about ``2(n-1)/n·d/8`` on a 1-bit step or a sync, nothing on a
-    local step. The defaults are DeepSpeed's, for runs of several 100k steps:
-    scale ``var_freeze_step`` and ``local_step_scaler`` down for a short one.
-    Keep params per worker (``shard_map`` with ``out_specs=P("data")`` for
-    params and state, or ``pmap``). The rule in full, the bytes, DeepSpeed's
-    differences and the NaN rule: :mod:`jaxcomm.optim.zero_one_adam`.
+    Rule: Adam whose variance is refreshed (dense) on ever sparser steps until
+    ``var_freeze_step``, with 1-bit momentum between; then local steps and a 1-bit
+    sync every ``local_interval`` steps (:mod:`jaxcomm.optim.zero_one_adam`).
+    Wire per worker: ``4d`` bytes on a variance step, about ``2(n-1)/n·d/8`` on a
+    1-bit step or a sync, nothing on a local step. Keep params per worker.
 
     Args:
       learning_rate: a float or an optax schedule of the step count.
       b1, b2, eps: Adam's (0.9, 0.999, 1e-8).
-      var_freeze_step: last step that may refresh the variance, an int >= 0
-        (0 freezes ``v`` at zero, ``D = ε``: only to account the bytes of the
-        steps after freezing).
-      var_update_scaler: refreshes per variance interval before it doubles
-        (the paper's κ), an int >= 1.
-      local_step_scaler: steps after freezing per local interval before it
-        doubles, an int >= 1.
+      var_freeze_step: last step that may refresh the variance, an int >= 0.
+      var_update_scaler: refreshes per variance interval before it doubles (κ), >= 1.
+      local_step_scaler: steps per local interval before it doubles, an int >= 1.
       local_step_clipper: largest local interval (H), an int >= 1.
       weight_decay: decoupled weight decay (AdamW style), needs ``params``.
       **options: ``axis_name`` (``None``: one worker, compressed locally),
@@ -170,13 +160,18 @@ def zero_one_adam(
       An optimizer (``optax.GradientTransformation``) with :class:`ZeroOneAdamState`.
 
     Example:
-      >>> tx = jaxcomm.zero_one_adam(1e-3, var_freeze_step=2000,
-      ...                            local_step_scaler=1000, axis_name="data")
+      >>> tx = jaxcomm.zero_one_adam(1e-3, var_freeze_step=2000, axis_name="data")
 
     Reference:
-      Lu, Li, Zhang, Yao, He, "Maximizing Communication Efficiency for
-      Large-scale Training via 0/1 Adam", ICLR 2023, arXiv:2202.06009.
+      Lu et al., "Maximizing Communication Efficiency for Large-scale Training
+      via 0/1 Adam", ICLR 2023, arXiv:2202.06009.
     """
+    # Notes. The local interval doubles up to ``local_step_clipper``. The defaults are DeepSpeed's,
+    # for runs of several 100k steps: scale ``var_freeze_step`` and ``local_step_scaler`` down for a
+    # short one (e.g. ``local_step_scaler=1000``). ``var_freeze_step=0`` freezes ``v`` at zero, ``D
+    # = ε``: only to account the bytes of the steps after freezing. Keep params per worker:
+    # ``shard_map`` with ``out_specs=P("data")`` for params and state, or ``pmap``. The bytes,
+    # DeepSpeed's differences and the NaN rule: the module docstring.
     opts = take("zero_one_adam", options, ("axis_name", "exchange", "min_size", "bucket_bytes"))
     var_freeze_step = checks.check_int(var_freeze_step, "var_freeze_step", 0)
     var_update_scaler = checks.check_int(var_update_scaler, "var_update_scaler", 1)

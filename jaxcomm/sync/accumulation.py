@@ -38,18 +38,10 @@ class AccumulateState(NamedTuple):
 def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.GradientTransformation:
     """Gradient accumulation: run ``inner`` (and its exchange) once per ``every`` micro-steps.
 
-    Micro-batch gradients are summed in the state; on every ``every``-th call
-    their mean goes through ``inner`` (e.g. a jaxcomm compressed exchange
-    chained with an optimizer) inside ``lax.cond``, so the collective and
-    the compressor's state (residuals, keys, counters) advance only on those
-    steps. Other calls return zero updates. The result equals one step of
-    ``inner`` on a batch ``every`` times larger.
-
-    Use this instead of ``optax.MultiSteps`` around jaxcomm transforms: in
-    optax 0.2.8 ``MultiSteps`` calls the inner update on *every* micro-step
-    (and discards it with ``jnp.where``), so the exchange runs each time; and
-    under ``jax.shard_map`` with per-worker state its ``lax.cond`` branches
-    are typed differently and fail to trace.
+    Rule: micro-batch gradients are summed in the state; every ``every``-th call their
+    mean goes through ``inner``, other calls return zero updates: one step of ``inner``
+    on a batch ``every`` times larger. Use it instead of ``optax.MultiSteps``.
+    Wire: ``inner``'s, on one call in ``every``.
 
     Args:
       inner: the optimizer to run on the accumulated gradient.
@@ -57,18 +49,22 @@ def accumulate(inner: optax.GradientTransformation, *, every: int) -> optax.Grad
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`AccumulateState`.
-      ``params`` are passed through to ``inner`` (may be ``None`` if ``inner``
-      does not need them).
 
     Example:
       >>> tx = jaxcomm.accumulate(
       ...     optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1)), every=4)
 
     References:
-      Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1
-      Hour", 2017, arXiv:1706.02677 (large batches, which accumulation
-      emulates).
+      Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour",
+      2017, arXiv:1706.02677.
     """
+    # Notes. ``inner`` runs inside ``lax.cond``, so the collective and the compressor's state
+    # (residuals, keys, counters) advance only on the ``every``-th steps. ``optax.MultiSteps`` in
+    # optax 0.2.8 calls the inner update on *every* micro-step (and discards it with ``jnp.where``),
+    # so the exchange runs each time; and under ``jax.shard_map`` with per-worker state its
+    # ``lax.cond`` branches are typed differently and fail to trace. ``params`` are passed through
+    # to ``inner`` (may be ``None`` if ``inner`` does not need them). Goyal et al.: large batches,
+    # which accumulation emulates.
     inner = checks.check_tx(inner, "inner")
     every = checks.check_int(every, "every", 1)
 

@@ -85,45 +85,37 @@ def local_sgd(
 ) -> optax.GradientTransformation:
     """Local SGD: ``every`` local optimizer steps, then parameter averaging (post-local SGD).
 
-    Each worker applies ``inner``'s update ``u`` to its own params. The first
-    ``warmup_steps`` steps all synchronise (post-local SGD's phase of ordinary
-    synchronous training), then every ``every``-th step: it returns
-    ``pmean(params + u) - params``, so all replicas land on the average
-    (``state.syncs`` counts them). The inner optimizer's state is per worker
-    and never averaged. With ``compressor``, the parameter delta since the
-    last synchronisation, ``params + u - anchor``, is averaged compressed
-    (with the compressor's own error feedback; the anchor, one model copy, is
-    kept in the state); all replicas again agree after a synchronisation.
-
-    Params must be kept per worker (see the module docstring): under
-    ``jax.shard_map`` use ``out_specs=P("data")`` for params and state.
+    Rule: each worker applies ``inner``'s update ``u`` to its own params; after
+    ``warmup_steps`` synchronous steps, every ``every``-th step returns
+    ``pmean(params + u) - params`` (``state.syncs`` counts them). With
+    ``compressor`` the delta ``params + u - anchor`` is averaged compressed.
+    Wire: one dense (or compressed) model average per sync, nothing between.
+    Params must be kept per worker (``shard_map`` ``out_specs=P("data")``).
 
     Args:
-      inner: the local optimizer (e.g. ``optax.sgd(0.1, momentum=0.9)``); it
-        sees only the worker's own gradients.
-      every: local steps per synchronisation, an int >= 1 (1: synchronous
-        parameter averaging every step).
+      inner: the local optimizer; it sees only the worker's own gradients.
+      every: local steps per synchronisation, an int >= 1 (1: every step).
       axis_name: mesh axis to average over; ``None``: one worker, synchronising is a no-op.
       warmup_steps: number of initial steps that all synchronise, an int >= 0.
-      compressor: ``None``, a jaxcomm transform built with the same
-        ``axis_name`` (e.g. ``jaxcomm.topk(0.01, axis_name="data")``) or a
-        :class:`jaxcomm.Compressor` (wrapped with error feedback and
-        ``min_size=0``).
+      compressor: ``None``, a jaxcomm transform built with the same ``axis_name``
+        or a :class:`jaxcomm.Compressor` (wrapped with error feedback, ``min_size=0``).
       bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (:func:`jaxcomm.compress`).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`LocalSGDState`; its
-      ``update`` requires ``params`` (``ValueError`` naming ``params`` otherwise).
+      An ``optax.GradientTransformation`` with :class:`LocalSGDState`; needs ``params``.
 
     Example:
       >>> tx = jaxcomm.local_sgd(optax.sgd(0.1), every=8, axis_name="data", warmup_steps=100)
-      >>> updates, state = tx.update(grads, state, params)  # per-worker params
 
     References:
       Stich, "Local SGD Converges Fast and Communicates Little", ICLR 2019,
       arXiv:1805.09767. Lin et al., "Don't Use Large Mini-Batches, Use Local
       SGD", ICLR 2020, arXiv:1808.07217 (post-local SGD).
     """
+    # Notes. The inner optimizer's state is per worker and never averaged. With ``compressor`` the
+    # compressor's own error feedback applies; the anchor, one model copy, is kept in the state; all
+    # replicas agree after a synchronisation. Without ``params`` ``update`` raises ``ValueError``
+    # naming ``params``. See the module docstring for per-worker params.
     inner = checks.check_tx(inner, "inner")
     every = checks.check_int(every, "every", 1)
     warmup_steps = checks.check_int(warmup_steps, "warmup_steps", 0)
@@ -209,43 +201,37 @@ def diloco(
 ) -> optax.GradientTransformation:
     """DiLoCo: ``every`` inner steps per worker, then an outer step on the averaged drift.
 
-    Every worker runs ``inner`` on its own params. On every ``every``-th step
-    the pseudo-gradient ``delta = anchor - pmean(params + u)`` is formed, the
-    outer optimizer updates the anchor (``anchor += outer(delta)``), and every
-    worker adopts the new anchor: the step returns ``anchor - params``. The
-    inner state is kept across rounds (as in the paper). With
-    ``outer=optax.sgd(1.0)`` this is exactly :func:`local_sgd`. With
-    ``compressor``, each worker sends its own ``anchor - (params + u)``
-    through the compressor (with error feedback, so what is not sent is
-    carried to the next round) and the outer optimizer sees the compressed
-    mean. Params must be kept per worker (see the module docstring).
+    Rule: every worker runs ``inner`` on its own params; every ``every``-th step
+    ``delta = anchor - pmean(params + u)``, ``anchor += outer(delta)``, and the step
+    returns ``anchor - params``. ``outer=optax.sgd(1.0)`` is :func:`local_sgd`.
+    Wire: one dense (or compressed) model average per round, nothing between.
+    Params must be kept per worker (see :mod:`jaxcomm.sync`).
 
     Args:
       inner: the inner (local) optimizer, e.g. ``optax.adamw(4e-4)``.
       every: inner steps per outer step (H in the paper), an int >= 1.
       axis_name: mesh axis to average over; ``None``: a single worker.
-      outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``
-        as in the paper.
-      compressor: ``None``, a jaxcomm transform built with the same
-        ``axis_name`` or a :class:`jaxcomm.Compressor` (wrapped with error
-        feedback and ``min_size=0``).
+      outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+      compressor: ``None``, a jaxcomm transform built with the same ``axis_name``
+        or a :class:`jaxcomm.Compressor` (wrapped with error feedback, ``min_size=0``).
       bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (:func:`jaxcomm.compress`).
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DiLoCoState`; its
-      ``update`` requires ``params`` (``ValueError`` naming ``params`` otherwise).
-      ``init`` takes floating-point params only (the outer step moves every
-      leaf): an integer or bool leaf raises ``TypeError`` naming it.
+      An ``optax.GradientTransformation`` with :class:`DiLoCoState`; needs float ``params``.
 
     Example:
       >>> tx = jaxcomm.diloco(optax.adamw(1e-3), every=500, axis_name="data")
-      >>> tx = jaxcomm.diloco(optax.sgd(0.5), every=8, axis_name="data",
-      ...                     compressor=jaxcomm.topk(0.1, axis_name="data"))
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", 2023, arXiv:2311.08105.
     """
+    # Notes. The inner state is kept across rounds (as in the paper). With ``compressor``, each
+    # worker sends its own ``anchor - (params + u)`` through the compressor (with error feedback, so
+    # what is not sent is carried to the next round) and the outer optimizer sees the compressed
+    # mean. ``update`` without ``params`` raises ``ValueError`` naming ``params``; ``init`` takes
+    # floating-point params only (the outer step moves every leaf): an integer or bool leaf raises
+    # ``TypeError`` naming it. The default outer optimizer is the paper's.
     inner = checks.check_tx(inner, "inner")
     outer = checks.check_tx(outer, "outer")
     every = checks.check_int(every, "every", 1)

@@ -73,41 +73,33 @@ def delayed_averaging(
 ) -> optax.GradientTransformation:
     """Delayed gradient averaging: use the local gradient now, the worker mean ``delay`` later.
 
-    Each step the worker's gradient ``g_t`` starts an all-reduce whose result
-    ``mean_t`` is needed only ``delay`` steps later (so the communication can
-    overlap ``delay`` steps of computation). The optimizer is fed
-    ``g_t + (mean_{t-D} - g_{t-D})``: the local gradient plus the correction
-    for the local gradient used ``D`` steps ago. With ``inner=optax.sgd(lr)``
-    this is Zhu et al.'s rule ``w -= lr·g_t`` then ``w -= lr·(mean_{t-D} -
-    g_{t-D})``; with a stateful ``inner`` the corrected gradient goes through
-    its state (momentum etc.). After ``D`` further steps with zero gradient
-    (the queue drained) SGD params equal synchronous SGD on the same gradients.
-
-    The ``D``-deep queue of corrections is in the state (``D`` model copies per
-    worker). In this simulation the all-reduce runs on the step that issues
-    it; its result is held in the queue. Params are per worker when
-    ``delay > 0``. ``delay=0`` is synchronous averaging.
+    Rule: feed ``inner`` with ``g_t + (mean_{t-D} - g_{t-D})``, so the all-reduce of
+    ``g_t`` can overlap ``D`` steps of computation (``delay=0``: synchronous).
+    Wire: one dense all-reduce of the gradient per step; ``D`` model copies of state.
 
     Args:
       inner: the optimizer fed the corrected gradients, e.g. ``optax.sgd(0.1)``.
       delay: steps between sending a gradient and using its mean, an int >= 0.
-      axis_name: mesh axis to average over; ``None``: a single worker (the
-        correction is zero).
-      bucket_bytes: tensor fusion of the averaging, default ``"auto"`` (see
-        :func:`jaxcomm.compress`).
+      axis_name: mesh axis to average over; ``None``: one worker (no correction).
+      bucket_bytes: tensor fusion of the averaging, default ``"auto"``.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DelayedAveragingState`;
-      ``params`` are passed through to ``inner``.
+      An ``optax.GradientTransformation`` with :class:`DelayedAveragingState`.
 
     Example:
       >>> tx = jaxcomm.delayed_averaging(optax.sgd(0.1), delay=4, axis_name="data")
 
     References:
-      Zhu, Lin, Lu, Lin & Han, "Delayed Gradient Averaging: Tolerate the
-      Communication Latency for Federated Learning", NeurIPS 2021,
-      openreview.net/forum?id=ACFHNxVNvfk.
+      Zhu et al., "Delayed Gradient Averaging: Tolerate the Communication Latency
+      for Federated Learning", NeurIPS 2021, openreview.net/forum?id=ACFHNxVNvfk.
     """
+    # Notes. With ``inner=optax.sgd(lr)`` this is Zhu et al.'s rule ``w -= lr·g_t`` then ``w -=
+    # lr·(mean_{t-D} - g_{t-D})``; with a stateful ``inner`` the corrected gradient goes through its
+    # state (momentum etc.). After ``D`` further steps with zero gradient (the queue drained) SGD
+    # params equal synchronous SGD on the same gradients. The ``D``-deep queue of corrections is in
+    # the state (``D`` model copies per worker). In this simulation the all-reduce runs on the step
+    # that issues it; its result is held in the queue. Params are per worker when ``delay > 0``;
+    # ``params`` are passed through to ``inner``. ``bucket_bytes``: see :func:`jaxcomm.compress`.
     inner = checks.check_tx(inner, "inner")
     delay = checks.check_int(delay, "delay", 0)
     axis_name = collectives.check_axis_name(axis_name)
@@ -149,33 +141,30 @@ def delayed_averaging(
 def stale(inner: optax.GradientTransformation, *, staleness: int) -> optax.GradientTransformation:
     """Apply every gradient ``staleness`` steps late: bounded-staleness asynchronous SGD.
 
-    The gradient computed at step ``t`` (at params ``w_t``) is passed to
-    ``inner`` at step ``t + staleness``, the behaviour of asynchronous SGD
-    whose updates always arrive ``staleness`` steps late. During the first
-    ``staleness`` steps nothing has arrived: the update is zero and ``inner``'s
-    state does not move. Wrap a communicating chain to average stale gradients
-    (``stale(optax.chain(jaxcomm.allreduce(axis_name="data"), optax.sgd(0.1)),
-    staleness=2)``) or a local optimizer for per-worker staleness.
+    Rule: the gradient of step ``t`` is passed to ``inner`` at step ``t + staleness``;
+    during the first ``staleness`` steps the update is zero.
+    Wire: ``inner``'s (wrap a communicating chain to average stale gradients).
 
     Args:
       inner: the optimizer that receives the delayed gradients.
-      staleness: steps between computing and applying a gradient, an int >= 0
-        (0: ``inner`` unchanged).
+      staleness: steps between computing and applying a gradient, an int >= 0.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`StaleState` (a queue of
-      ``staleness`` gradients, ``staleness`` model copies); ``params`` are the
-      current ones, passed through to ``inner``.
+      An ``optax.GradientTransformation`` with :class:`StaleState`.
 
     Example:
       >>> tx = jaxcomm.stale(optax.sgd(0.1), staleness=4)
 
     References:
-      Ho et al., "More Effective Distributed ML via a Stale Synchronous
-      Parallel Parameter Server", NeurIPS 2013. Lian et al., "Asynchronous
-      Parallel Stochastic Gradient for Nonconvex Optimization", NeurIPS 2015,
-      arXiv:1506.08272.
+      Ho et al., "More Effective Distributed ML via a Stale Synchronous Parallel
+      Parameter Server", NeurIPS 2013. Lian et al., "Asynchronous Parallel
+      Stochastic Gradient for Nonconvex Optimization", NeurIPS 2015, arXiv:1506.08272.
     """
+    # Notes. During the first ``staleness`` steps ``inner``'s state does not move; ``staleness=0``
+    # is ``inner`` unchanged. Wrap e.g. ``stale(optax.chain(jaxcomm.allreduce(axis_name="data"),
+    # optax.sgd(0.1)), staleness=2)``, or a local optimizer for per-worker staleness. The state is a
+    # queue of ``staleness`` gradients (``staleness`` model copies); ``params`` are the current
+    # ones, passed through to ``inner``.
     inner = checks.check_tx(inner, "inner")
     staleness = checks.check_int(staleness, "staleness", 0)
 

@@ -45,33 +45,17 @@ def skip_nonfinite(
 ) -> optax.GradientTransformation:
     """Skip steps whose update holds NaN/Inf, with one decision shared by all workers.
 
-    ``optax.apply_if_finite`` checks each worker's *gradient* and runs the
-    inner update (and the collectives in it) inside a ``lax.cond``, so with a
-    NaN on one worker the others enter a collective it does not: a type error
-    under ``jax.shard_map``, a rendezvous abort (a hang on NCCL) under
-    ``jax.pmap``. This wrapper runs ``inner.update`` on every worker, every
-    step, and decides from its *output*, after the exchange: if any update
-    leaf holds NaN/Inf the step is skipped (zero updates, ``inner``'s state
-    kept as it was, counters included) and ``state.total_notfinite`` counts it.
-
-    Every jaxcomm transform follows the NaN rule (a non-finite gradient on any
-    worker makes the update non-finite on every worker; see
-    :func:`jaxcomm.compress`), so for them the decision is the same on every
-    worker without another collective. Pass ``axis_name`` when the update is
-    per worker on some steps: :func:`local_sgd` / :func:`diloco` between
-    synchronisations, or a chain whose exchange is not jaxcomm's. The
-    decision is then agreed with one 4-byte all-reduce (a max over workers),
-    so every worker skips the same steps and the sync counters stay equal.
+    Rule: run ``inner.update`` on every worker, every step; if any update leaf holds
+    NaN/Inf the step is skipped (zero updates, ``inner``'s state kept) and
+    ``state.total_notfinite`` counts it. Use it instead of ``optax.apply_if_finite``.
+    Wire: nothing more, or one 4-byte all-reduce with ``axis_name``.
 
     Args:
-      inner: the transform to protect, e.g.
-        ``optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1))``.
-      axis_name: ``None`` (decide from the update, relying on the NaN rule) or
-        the mesh axis to agree the decision over.
-      max_consecutive_errors: ``None`` (skip for ever) or an int >= 0: after
-        more than this many consecutive skipped steps the next non-finite
-        update is applied, as ``optax.apply_if_finite`` does, so a run that
-        has truly diverged shows it.
+      inner: the transform to protect.
+      axis_name: ``None`` (decide from the update, relying on the NaN rule) or the
+        mesh axis to agree over (for :func:`local_sgd` / :func:`diloco`).
+      max_consecutive_errors: ``None`` (skip for ever) or an int >= 0: after more than
+        this many consecutive skips the next non-finite update is applied.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`SkipNonfiniteState`.
@@ -80,6 +64,19 @@ def skip_nonfinite(
       >>> tx = jaxcomm.skip_nonfinite(
       ...     optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1)))
     """
+    # Why: ``optax.apply_if_finite`` checks each worker's *gradient* and runs the inner update (and
+    # the collectives in it) inside a ``lax.cond``, so with a NaN on one worker the others enter a
+    # collective it does not: a type error under ``jax.shard_map``, a rendezvous abort (a hang on
+    # NCCL) under ``jax.pmap``. This wrapper decides from the *output*, after the exchange; the
+    # skipped step keeps ``inner``'s counters too.
+    # Every jaxcomm transform follows the NaN rule (a non-finite gradient on any worker makes the
+    # update non-finite on every worker; see :func:`jaxcomm.compress`), so for them the decision is
+    # the same on every worker without another collective. Pass ``axis_name`` when the update is per
+    # worker on some steps: local_sgd / diloco between synchronisations, or a chain whose exchange
+    # is not jaxcomm's. The decision is then agreed with one 4-byte all-reduce (a max over workers),
+    # so every worker skips the same steps and the sync counters stay equal.
+    # ``max_consecutive_errors`` behaves as ``optax.apply_if_finite``'s, so a run that has truly
+    # diverged shows it. References: none (an optax.apply_if_finite for collectives).
     inner = checks.check_tx(inner, "inner")
     axis_name = collectives.check_axis_name(axis_name)
     if max_consecutive_errors is not None:

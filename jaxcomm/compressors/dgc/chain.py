@@ -23,19 +23,16 @@ def dgc_sgd(
 ) -> optax.GradientTransformation:
     """DGC followed by the SGD it needs: momentum in DGC, plain SGD after.
 
-    ``optax.chain(jaxcomm.dgc(ratio, momentum=momentum, ...), optax.sgd(lr))``.
-    With ``momentum_correction=False`` the momentum moves to the SGD instead:
-    ``optax.chain(jaxcomm.dgc(ratio, momentum=0, momentum_correction=False,
-    ...), optax.sgd(lr, momentum=momentum, nesterov=nesterov))``.
+    Rule: ``optax.chain(jaxcomm.dgc(ratio, momentum=momentum, ...), optax.sgd(lr))``;
+    with ``momentum_correction=False`` the momentum moves to the SGD instead.
+    Wire: :func:`dgc`'s.
 
     Args:
       learning_rate: SGD learning rate (float or optax schedule).
       ratio: DGC density after warm-up, in (0, 1].
-      momentum: momentum in [0, 1).
-      nesterov: Nesterov momentum.
+      momentum: momentum in [0, 1). nesterov: Nesterov momentum.
       momentum_correction: see :func:`dgc`.
-      **dgc_options: any other keyword argument of :func:`dgc` (``axis_name``,
-        ``clip_norm``, ``warmup_steps``, ...).
+      **dgc_options: any other keyword argument of :func:`dgc` (``axis_name``, ...).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -46,6 +43,9 @@ def dgc_sgd(
     References:
       Lin et al., "Deep Gradient Compression", ICLR 2018, arXiv:1712.01887.
     """
+    # Notes. With ``momentum_correction=False``: ``optax.chain(jaxcomm.dgc(ratio, momentum=0,
+    # momentum_correction=False, ...), optax.sgd(lr, momentum=momentum, nesterov=nesterov))``.
+    # ``dgc_options`` e.g. ``axis_name``, ``clip_norm``, ``warmup_steps``.
     if momentum_correction:
         return optax.chain(
             dgc(ratio, momentum=momentum, nesterov=nesterov, **dgc_options),

@@ -128,29 +128,20 @@ def dgc(
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression: momentum-corrected, masked, clipped, warmed-up top-k.
 
-    Each worker accumulates its momentum-corrected velocity ``v`` and sends
-    its ``k = max(1, ceil(ρ·d))`` entries above a sampled top-ρ threshold
-    (values + int32 indices, all-gathered); the update is the mean of what
-    was sent. Wire per worker per step: ``Σ_sparse k·(value bytes + 4) +
-    Σ_dense size·value bytes``. The four parts, the selection and the
-    warm-up's branches in detail: :mod:`jaxcomm.compressors.dgc.transform`.
-
-    Warning:
-      Momentum is applied INSIDE DGC. Follow it with plain SGD,
-      ``optax.chain(jaxcomm.dgc(...), optax.sgd(lr))``, or use :func:`dgc_sgd`.
-      SGD with momentum or Adam after it applies momentum twice;
-      :func:`check_followed_by_plain_sgd` detects that from the optimizer state.
-      With ``momentum_correction=False`` the reverse holds: DGC only accumulates
-      gradients (``momentum`` must be 0), the momentum goes after it.
+    Rule: each worker accumulates its momentum-corrected velocity ``v`` and sends the
+    ``k = max(1, ceil(ρ·d))`` entries above a sampled top-ρ threshold; the update is
+    the mean of what was sent (details: :mod:`jaxcomm.compressors.dgc.transform`).
+    Wire per worker per step: ``Σ_sparse k·(value bytes + 4) + Σ_dense size·value bytes``.
+    Momentum is applied INSIDE DGC: follow it with plain ``optax.sgd(lr)`` or use
+    :func:`dgc_sgd`. Skip NaN/Inf steps with :func:`jaxcomm.skip_nonfinite`.
 
     Args:
       ratio: density after warm-up, in (0, 1] (0.001 = 99.9% sparsity).
       momentum: m in [0, 1). nesterov: Nesterov momentum as in the official code.
-      momentum_correction: accumulate the velocity, not the gradient.
-      momentum_masking: zero u and v at sent entries (needs the correction).
+      momentum_correction: accumulate the velocity, not the gradient. momentum_masking:
+        zero u and v at sent entries (needs the correction).
       clip_norm: global-norm clipping threshold (before scaling by n^-1/2), > 0, or ``None``.
-      warmup_steps: warm-up steps, >= 0 (the paper: 4 epochs).
-      warmup_epochs: equal parts of the warm-up, >= 1.
+      warmup_steps: warm-up steps, >= 0. warmup_epochs: equal parts of the warm-up, >= 1.
       warmup_ratios: density of each warm-up epoch; ``None`` for 4^-(e+1).
       sample_ratio: fraction of |v| sampled for the threshold, in (0, 1].
       **options: ``axis_name`` (``None`` sparsifies locally), ``min_size`` (leaves with
@@ -158,23 +149,22 @@ def dgc(
         u and v): see :class:`jaxcomm.options.Options`.
 
     Returns:
-      An ``optax.GradientTransformation`` with :class:`DGCState` (u and v: two
-      extra model copies). Updates, and the values sent, keep the grads' dtype.
-
-    A worker whose (clipped) gradient holds NaN/Inf keeps its u and v that step
-    (``state.nonfinite``) and sends NaN, which reaches every worker's output;
-    skip such steps with :func:`jaxcomm.skip_nonfinite`, not ``optax.apply_if_finite``
-    (a worker that skips alone leaves the others waiting in the collective).
+      An ``optax.GradientTransformation`` with :class:`DGCState` (u, v: two model copies).
 
     Example:
-      >>> tx = optax.chain(jaxcomm.dgc(0.001, axis_name="data", warmup_steps=4 * epoch),
-      ...                  optax.sgd(0.1))  # plain SGD: no momentum here
+      >>> tx = optax.chain(jaxcomm.dgc(0.001, axis_name="data"), optax.sgd(0.1))
 
     References:
-      Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the Communication
-      Bandwidth for Distributed Training", ICLR 2018, arXiv:1712.01887. Official code:
-      github.com/synxlin/deep-gradient-compression.
+      Lin et al., "Deep Gradient Compression", ICLR 2018, arXiv:1712.01887.
     """
+    # Notes. The values are all-gathered with int32 indices. SGD with momentum or Adam after DGC
+    # applies momentum twice (:func:`check_followed_by_plain_sgd` detects it). With
+    # ``momentum_correction=False`` the reverse holds: DGC only accumulates gradients (``momentum``
+    # must be 0), the momentum goes after it. The paper's warm-up is 4 epochs (e.g. ``warmup_steps=4
+    # * epoch``). Updates, and the values sent, keep the grads' dtype. A worker's NaN/Inf reaches
+    # every worker's output. A worker whose (clipped) gradient holds NaN/Inf keeps its u and v that
+    # step (``state.nonfinite``) and sends NaN; ``optax.apply_if_finite`` would leave the others
+    # waiting in the collective. Official code: github.com/synxlin/deep-gradient-compression.
     schedule = (ratio, warmup_steps, warmup_epochs, warmup_ratios)
     flags = (nesterov, momentum_correction, momentum_masking)
     given = take("dgc", options, OPTIONS)

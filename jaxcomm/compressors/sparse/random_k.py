@@ -129,22 +129,18 @@ def randomk(
     sampling: str = "uniform",
     **options: Unpack[Options],
 ) -> optax.GradientTransformation:
-    """Random-k sparsification.
+    """Random-k sparsification: ``k = max(1, ceil(ratio·d))`` random entries per leaf.
 
-    Keeps ``k = max(1, ceil(ratio·d))`` random entries per leaf. With
-    ``shared_indices`` (default) every worker draws the same indices from the
-    shared key, so only the values go on the wire and they are summed with a
-    ``psum`` (``k·value bytes``). Otherwise each worker draws its own (key
-    folded with the axis index) and values + int32 indices are all-gathered.
-    Without error feedback the values are rescaled (by d/k for uniform
-    sampling) so that the average is an unbiased estimate of the gradient.
+    Rule: with ``shared_indices`` every worker draws the same indices from the shared
+    key and the values are summed; otherwise each draws its own. Without error
+    feedback the values are rescaled (d/k for uniform sampling): unbiased.
+    Wire per worker per leaf: ``k·value bytes`` (psum) with ``shared_indices``, else
+    ``k·(value bytes + 4)`` (all-gather).
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
       shared_indices: same indices on every worker (psum of values only).
-      sampling: ``"uniform"`` (k without replacement; costs a permutation of
-        d) or ``"stratified"`` (one uniform index in each of k equal strata;
-        costs k random numbers). See :class:`RandomK`.
+      sampling: ``"uniform"`` (without replacement) or ``"stratified"`` (one per stratum).
       **options: ``key`` (required; stored in the state, split each step),
         ``axis_name``, ``error_feedback`` (keeps unsent entries; if
         ``False``, rescale), ``min_size``, ``state_dtype``, ``bucket_bytes``:
@@ -154,14 +150,17 @@ def randomk(
       An ``optax.GradientTransformation``.
 
     Example:
-      >>> tx = optax.chain(jaxcomm.randomk(0.01, key=jax.random.key(0), axis_name="data"),
-      ...                  optax.sgd(0.1))
+      >>> tx = optax.chain(jaxcomm.randomk(0.01, key=jax.random.key(0)), optax.sgd(0.1))
 
     References:
       Stich et al., "Sparsified SGD with Memory", NeurIPS 2018, arXiv:1809.07599.
-      Wangni et al., "Gradient Sparsification for Communication-Efficient
-      Distributed Optimization", NeurIPS 2018, arXiv:1710.09854.
+      Wangni et al., "Gradient Sparsification ...", NeurIPS 2018, arXiv:1710.09854.
     """
+    # Notes. Without ``shared_indices`` the key is folded with the axis index and values + int32
+    # indices are all-gathered. ``"uniform"`` costs a permutation of d; ``"stratified"`` (one
+    # uniform index in each of k equal strata) costs k random numbers; see :class:`RandomK`. Also:
+    # Wangni et al., "Gradient Sparsification for Communication-Efficient Distributed Optimization",
+    # NeurIPS 2018, arXiv:1710.09854.
     names = ("key", "axis_name", "error_feedback", "min_size", "state_dtype", "bucket_bytes")
     o = take("randomk", options, names)
     require_key(o["key"], "for randomk")

@@ -138,40 +138,11 @@ def threshold(
 ) -> optax.GradientTransformation:
     """Fast sparsification: a sampled threshold and top-k among strided candidates.
 
-    Exact top-k ranks all ``d`` entries (``lax.top_k``); this path folds the
-    gradient once and ranks ``2m >= 4k`` candidates (its cost against top-k and a
-    gradient copy: ``experiments/results/floor.md``). The payload has top-k's
-    ``k = ceil(ratio·d)`` slots. The entries fall into ``m`` classes ``j, j+m,
-    j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``, every entry a candidate,
-    when no such prime is below ``d``); one fold of the ``(d // m, m)`` view, 8
-    row slices at a time, gives each class's largest and runner-up magnitude,
-    and the ``k`` largest of these ``2m`` candidates that reach the threshold
-    are sent. With ``sample_ratio`` the threshold is estimated from the sample ``p[::s]``
-    (``s`` the smallest prime ``>= round(1/sample_ratio)``, or a denser one
-    where the sample would keep fewer than 32 entries), set at 1.25 times the
-    sample's top-``ratio`` count so that it rarely cuts into the true top-k
-    (Strom 2015; DGC, whose re-selection among the entries above its
-    threshold is the top-k here); with ``sample_ratio=None`` the ``k``
-    largest candidates are sent. What is not sent stays in the residual. The
-    payload is values + int32 indices, all-gathered like top-k.
-
-    Why strided and prime: with contiguous classes, mass concentrated in a
-    few rows of a matrix leaf falls into a few classes. With a prime period
-    ``>= 2k``, a row (consecutive entries) and a column (entries a row length
-    apart) spread over distinct classes, but a band of adjacent columns is a
-    lattice of the row length modulo ``m`` and some primes crowd it. So ``m``
-    is chosen when the update is traced, from ``d`` alone (every worker picks
-    the same): for every factorisation ``d = R·c`` (any view of the leaf as
-    ``R`` rows of length ``c``), a band of adjacent columns holding ~k entries
-    is scored by the entries the candidates hold, and of the 17 smallest
-    primes ``>= 2k`` not dividing ``d`` the one with the best worst case is
-    used (once per ``(k, d)`` and process, in NumPy, within a fixed work
-    budget). The share of the true top-k sent on i.i.d., structured, small
-    and real leaves, beside the earlier two-period selection, is in
-    ``experiments/results/threshold_fill.json``
-    (``python -m experiments.bench.threshold_fill``). To see how many slots
-    a step fills, call :func:`threshold_usage` with the gradient and
-    ``state.residual``.
+    Rule: ``p = g + e``; of ``2m`` strided candidates (each class ``j, j+m, ...``'s
+    two largest, ``m`` a prime ``>= 2k``) the ``k = ceil(ratio·d)`` largest that reach
+    the sampled threshold are sent; the rest stays in the residual ``e``.
+    Wire: top-k's, ``k·(value bytes + 4)`` per worker per leaf (values + int32
+    indices, all-gathered). :func:`threshold_usage` counts the slots a step fills.
 
     Args:
       ratio: fraction of entries kept (payload slots ≈ ratio·d), in (0, 1].
@@ -194,6 +165,29 @@ def threshold(
       Computing", Interspeech 2015. Lin et al., "Deep Gradient Compression",
       ICLR 2018, arXiv:1712.01887.
     """
+    # Implementation. Exact top-k ranks all ``d`` entries (``lax.top_k``); this path folds the
+    # gradient once and ranks ``2m >= 4k`` candidates (its cost against top-k and a gradient copy:
+    # experiments/results/floor.md). The payload has top-k's ``k = ceil(ratio·d)`` slots. The
+    # entries fall into ``m`` classes ``j, j+m, j+2m, ...``, ``m`` a prime ``>= 2k`` (or ``m = d``,
+    # every entry a candidate, when no such prime is below ``d``); one fold of the ``(d // m, m)``
+    # view, 8 row slices at a time, gives each class's largest and runner-up magnitude, and the
+    # ``k`` largest of these ``2m`` candidates that reach the threshold are sent. With
+    # ``sample_ratio`` the threshold is estimated from the sample ``p[::s]`` (``s`` the smallest
+    # prime ``>= round(1/sample_ratio)``, or a denser one where the sample would keep fewer than 32
+    # entries), set at 1.25 times the sample's top-``ratio`` count so that it rarely cuts into the
+    # true top-k (Strom 2015; DGC, whose re-selection among the entries above its threshold is the
+    # top-k here); with ``sample_ratio=None`` the ``k`` largest candidates are sent.
+    # Why strided and prime: with contiguous classes, mass concentrated in a few rows of a matrix
+    # leaf falls into a few classes. With a prime period ``>= 2k``, a row (consecutive entries) and
+    # a column (entries a row length apart) spread over distinct classes, but a band of adjacent
+    # columns is a lattice of the row length modulo ``m`` and some primes crowd it. So ``m`` is
+    # chosen when the update is traced, from ``d`` alone (every worker picks the same): for every
+    # factorisation ``d = R·c`` a band of adjacent columns holding ~k entries is scored by the
+    # entries the candidates hold, and of the 17 smallest primes ``>= 2k`` not dividing ``d`` the
+    # one with the best worst case is used (once per ``(k, d)`` and process, in NumPy, within a
+    # fixed work budget). The share of the true top-k sent on i.i.d., structured, small and real
+    # leaves is in experiments/results/threshold_fill.json (python -m
+    # experiments.bench.threshold_fill).
     names = ("axis_name", "error_feedback", "min_size", "state_dtype", "bucket_bytes")
     o = take("threshold", options, names)
     if sample_ratio is not None:

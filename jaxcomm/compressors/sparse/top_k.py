@@ -46,11 +46,9 @@ class TopK(SparseCompressor):
 def topk(ratio: float, **options: Unpack[Options]) -> optax.GradientTransformation:
     """Top-k sparsification with error feedback.
 
-    Each worker keeps the ``k = max(1, ceil(ratio·d))`` largest-magnitude
-    entries of ``p = g + e`` (``e`` the residual), all-gathers values and int32
-    indices, scatter-adds every worker's entries into zeros and divides by n.
-    Wire: ``k·(value bytes + 4)`` per worker per leaf, i.e. an all-gather whose
-    cost grows with n (see ``jaxcomm.netsim`` for the break-even vs a ring).
+    Rule: each worker keeps the ``k = max(1, ceil(ratio·d))`` largest-magnitude entries
+    of ``p = g + e``; the update is the mean of every worker's entries.
+    Wire per worker per leaf: ``k·(value bytes + 4)``, all-gathered (cost grows with n).
 
     Args:
       ratio: fraction of entries kept, in (0, 1].
@@ -66,10 +64,12 @@ def topk(ratio: float, **options: Unpack[Options]) -> optax.GradientTransformati
       >>> tx = optax.chain(jaxcomm.topk(0.01, axis_name="data"), optax.sgd(0.1))
 
     References:
-      Aji & Heafield, "Sparse Communication for Distributed Gradient Descent",
-      EMNLP 2017, arXiv:1704.05021. Stich et al., "Sparsified SGD with Memory",
-      NeurIPS 2018, arXiv:1809.07599.
+      Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017,
+      arXiv:1704.05021. Stich et al., "Sparsified SGD with Memory", arXiv:1809.07599.
     """
+    # Notes. Values and int32 indices are sent; jaxcomm.netsim has the all-gather's break-even
+    # vs a ring. ``e`` is the residual; every worker's entries are scatter-added into zeros and
+    # divided by n.
     names = ("axis_name", "error_feedback", "scope", "min_size", "state_dtype", "bucket_bytes")
     o = take("topk", options, names)
     return core.compress(TopK(checks.check_ratio(ratio)), **o)
