@@ -88,6 +88,7 @@ from jaxcomm.protocol import (
     num_kept,
     resolve_state_dtype,
     state_class,
+    state_type,
 )
 from jaxcomm.stages import Config, Memory, Step
 
@@ -104,6 +105,7 @@ __all__ = [
     "num_kept",
     "resolve_state_dtype",
     "state_class",
+    "state_type",
 ]
 
 # --- the update pipeline: compress's update_fn runs these stages in order --------------

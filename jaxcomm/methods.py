@@ -22,8 +22,9 @@ block to a file and runs what this section promises):
    ``decode`` the sum of the workers' payloads, ``kind`` how the payload
    travels (``"psum"`` where payloads add, else ``"all_gather"``); the
    wire size defaults to the encoded arrays' bytes;
-2. a state class of its own, derived from :class:`jaxcomm.core.CompressState`
-   (so another transform's state is refused by name);
+2. a state class of its own, :func:`jaxcomm.core.state_type` (the fields of
+   :class:`jaxcomm.core.CompressState`; another transform's state is
+   refused by name);
 3. a factory listed in the module's ``__all__``, returning
    ``core.compress(codec, **o)``: the shared pipeline adds error feedback,
    buckets, the exchange, the NaN rule and the byte ledger. The factory
@@ -46,10 +47,7 @@ from jaxcomm.options import Options, Unpack, take
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
-class Fp8State(core.CompressState):
-    """State of the fp8 transform: the fields of :class:`jaxcomm.core.CompressState`."""
-
-    __slots__ = ()
+Fp8State = core.state_type("Fp8State", __name__)
 
 
 class Fp8(core.CompressorBase):

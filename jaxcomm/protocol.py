@@ -294,6 +294,21 @@ def check_float_leaves(leaves_with_path: Sequence[tuple[Any, Any]], what: str) -
             )
 
 
+def state_type(name: str, module: str) -> type:
+    """A :class:`CompressState` subclass named ``name`` (e.g. ``"TopKState"``) in ``module``:
+    the same fields, a class of its own, so another transform's state is refused by name.
+
+    Example:
+      >>> TopKState = state_type("TopKState", __name__)
+    """
+    doc = (
+        f"State of the {name.removesuffix('State')} transform: the fields of "
+        ":class:`jaxcomm.core.CompressState`, in a class of its own (another transform's "
+        "state is refused by name)."
+    )
+    return type(name, (CompressState,), {"__slots__": (), "__module__": module, "__doc__": doc})
+
+
 def state_class(compressor: Any) -> type:
     """The state class of a compressor's transform: its ``state_cls``, e.g. ``TopKState``.
 

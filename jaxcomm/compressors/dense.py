@@ -12,14 +12,7 @@ from jaxcomm import collectives, core, ledger
 from jaxcomm.collectives import AxisName
 from jaxcomm.options import Options, Unpack, take
 
-
-class DenseState(core.CompressState):
-    """State of the Dense transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+DenseState = core.state_type("DenseState", __name__)
 
 
 class Dense(core.CompressorBase):
@@ -62,13 +55,7 @@ def allreduce(**options: Unpack[Options]) -> optax.GradientTransformation:
 _CAST_DTYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
-class CastState(core.CompressState):
-    """State of the Cast transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+CastState = core.state_type("CastState", __name__)
 
 
 class Cast(core.CompressorBase):

@@ -47,13 +47,7 @@ _QUANTISER_OPTIONS = (
 # --- int8 ---------------------------------------------------------------------------
 
 
-class Int8State(core.CompressState):
-    """State of the Int8 transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+Int8State = core.state_type("Int8State", __name__)
 
 
 class Int8(core.CompressorBase):
@@ -137,13 +131,7 @@ def int8(
 # --- QSGD ---------------------------------------------------------------------------
 
 
-class QSGDState(core.CompressState):
-    """State of the QSGD transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+QSGDState = core.state_type("QSGDState", __name__)
 
 
 class QSGD(core.CompressorBase):
@@ -240,13 +228,7 @@ def ternary_field_bits(n_workers: int) -> int:
     return packing.field_bits(2 * n_workers)
 
 
-class TernGradState(core.CompressState):
-    """State of the TernGrad transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+TernGradState = core.state_type("TernGradState", __name__)
 
 
 class TernGrad(core.CompressorBase):

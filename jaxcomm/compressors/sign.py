@@ -52,13 +52,7 @@ _SIGN_OPTIONS = (
 # --- 1-bit SGD ----------------------------------------------------------------------
 
 
-class OneBitState(core.CompressState):
-    """State of the OneBit transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+OneBitState = core.state_type("OneBitState", __name__)
 
 
 class OneBit(core.CompressorBase):
@@ -144,13 +138,7 @@ def onebit(
 # --- EF-SignSGD ---------------------------------------------------------------------
 
 
-class ScaledSignState(core.CompressState):
-    """State of the ScaledSign transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+ScaledSignState = core.state_type("ScaledSignState", __name__)
 
 
 class ScaledSign(core.CompressorBase):
@@ -210,13 +198,7 @@ def vote_field_bits(n_workers: int) -> int:
     return packing.field_bits(2 * n_workers)
 
 
-class MajorityVoteState(core.CompressState):
-    """State of the MajorityVote transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+MajorityVoteState = core.state_type("MajorityVoteState", __name__)
 
 
 class MajorityVote(core.CompressorBase):

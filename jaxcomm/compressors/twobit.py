@@ -12,14 +12,7 @@ from jaxcomm.compressors import packing
 from jaxcomm.compressors.blocks import sum_over_workers
 from jaxcomm.options import Options, Unpack, take
 
-
-class TwoBitState(core.CompressState):
-    """State of the TwoBit transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+TwoBitState = core.state_type("TwoBitState", __name__)
 
 
 def _ternary(words: jnp.ndarray, d: int) -> jnp.ndarray:

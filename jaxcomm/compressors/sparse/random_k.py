@@ -15,14 +15,7 @@ from jaxcomm.compressors.blocks import require_key
 from jaxcomm.compressors.sparse.base import SparseCompressor, scatter_add
 from jaxcomm.options import Options, Unpack, take
 
-
-class RandomKState(core.CompressState):
-    """State of the RandomK transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+RandomKState = core.state_type("RandomKState", __name__)
 
 
 class RandomK(SparseCompressor):

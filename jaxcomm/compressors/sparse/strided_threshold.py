@@ -25,13 +25,7 @@ from jaxcomm.options import Options, Unpack, take
 _SAMPLE_SLACK = 1.25
 
 
-class ThresholdState(core.CompressState):
-    """State of the Threshold transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+ThresholdState = core.state_type("ThresholdState", __name__)
 
 
 class Threshold(SparseCompressor):

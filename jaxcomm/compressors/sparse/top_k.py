@@ -10,14 +10,7 @@ from jaxcomm import checks, core
 from jaxcomm.compressors.sparse.base import SparseCompressor, decode_mean_checked
 from jaxcomm.options import Options, Unpack, take
 
-
-class TopKState(core.CompressState):
-    """State of the TopK transform: the fields of :class:`jaxcomm.core.CompressState`.
-
-    A class of its own, so another transform's state is refused by name.
-    """
-
-    __slots__ = ()
+TopKState = core.state_type("TopKState", __name__)
 
 
 class TopK(SparseCompressor):
