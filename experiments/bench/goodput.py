@@ -58,6 +58,7 @@ import sys
 import time
 
 from experiments.bench import goodput_report, goodput_workload
+from experiments.studies import tables
 from experiments.elastic_launch import (
     CHILD_ENV,
     Replicas,
@@ -298,6 +299,9 @@ def _save(results: dict, path: str) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(results, f, indent=1)
     os.replace(path + ".tmp", path)
+    if os.path.abspath(path) == str(RESULTS / "goodput.json"):
+        tables.main([])  # the .md beside it, and the README's blocks
+        return
     with open(os.path.splitext(path)[0] + ".md", "w") as f:
         f.write(goodput_report.report(results))
 

@@ -29,6 +29,7 @@ from experiments.bench import (
     auto_report,
     buckets,
     floor,
+    goodput_report,
     overlap,
     step_parts_report,
 )
@@ -71,6 +72,10 @@ def _accelerator() -> str:
 
 def _auto() -> str:
     return auto_report.report(_load("auto.json"))
+
+
+def _goodput() -> str:
+    return goodput_report.report(_load("goodput.json"))
 
 
 def _step_parts() -> str:
@@ -148,6 +153,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "auto": _auto,
     "buckets": _buckets,
     "floor": _floor,
+    "goodput": _goodput,
     "headlines": _headlines,
     "lm_study": _lm_study,
     "netstudy": _netstudy,
@@ -164,6 +170,11 @@ DOCUMENTS = {
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
     "buckets": ("buckets.md", "buckets.json", "Bucketed against per-leaf exchange (2 processes)"),
     "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (fake CPU devices, two layouts)"),
+    "goodput": (
+        "goodput.md",
+        "goodput.json",
+        "Goodput under failures: jaxcomm's ElasticDiLoCo beside torchft's DiLoCo",
+    ),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),
