@@ -58,7 +58,7 @@ from jaxcomm import accounting, calibrate, distributed, policy
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/digits_mlp.py"
 #: The methods timed beside the step with no exchange (digits_mlp.py's variants).
-METHODS = ("dense", "powersgd", "ef_sign", "topk", "threshold")
+METHODS = ("dense", "bf16_words", "powersgd", "ef_sign", "topk", "threshold")
 
 
 def define_flags() -> None:
