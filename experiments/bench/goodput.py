@@ -58,7 +58,6 @@ import sys
 import time
 
 from experiments.bench import goodput_report, goodput_workload
-from experiments.studies import tables
 from experiments.elastic_launch import (
     CHILD_ENV,
     Replicas,
@@ -66,6 +65,7 @@ from experiments.elastic_launch import (
     lighthouse_process,
     supervise,
 )
+from experiments.studies import tables
 
 SIDES = ("jaxcomm", "torchft")
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
