@@ -65,7 +65,7 @@ from experiments.elastic_launch import (
     lighthouse_process,
     supervise,
 )
-from experiments.studies import tables
+from experiments.studies import runs, tables
 
 SIDES = ("jaxcomm", "torchft")
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
@@ -296,9 +296,7 @@ def _load(path: str, config: dict, fresh: bool) -> dict:
 
 
 def _save(results: dict, path: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
+    runs.save_json(path, results)
     if os.path.abspath(path) == str(RESULTS / "goodput.json"):
         tables.main([])  # the .md beside it, and the README's blocks
         return
