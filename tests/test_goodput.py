@@ -184,3 +184,36 @@ def test_a_killed_replica_heals_across_a_shaped_link(tmp_path):
     assert out["params_agree"], out["final_params"]  # healed from its peer over the lab
     (heal, *_) = out["heals"]
     assert heal["heal_s"] is not None and heal["heal_s"] > 0
+
+
+def test_ratio_withheld_where_failures_cost_more_than_the_band():
+    """The goodput ratio stands only where the run under failures ends within the study's
+    band of its own clean run; else the table gives the measured ratio beside the cost."""
+
+    def run(side, kind, goodput, loss):
+        return {"side": side, "method": "diloco", "replicas": 2, "goodput": goodput,
+                "eval_loss": loss, "heals": [], "kills": 3, "rounds_committed": 200,
+                "rollbacks": 0}  # fmt: skip
+
+    results = {
+        "config": {
+            "kill_every": 120,
+            "restart_after": 30,
+            "failure_seed": 0,
+            "steps": 2000,
+            "link": "100mbit",
+            "torch_streaming": "elastic",
+        },
+        "runs": {
+            "a/clean": run("jaxcomm", "clean", 4.0, 1.90),
+            "a/failures": run("jaxcomm", "failures", 3.0, 1.90 * 1.019),
+            "b/clean": run("torchft", "clean", 5.0, 1.80),
+            "b/failures": run("torchft", "failures", 4.5, 1.80 * 1.021),
+        },
+    }
+    a, b = goodput_report.rows(results)
+    assert a["ratio"] == pytest.approx(0.75) and a["loss_cost"] == pytest.approx(0.019)
+    assert b["ratio"] is None and b["measured_ratio"] == pytest.approx(0.9)
+    table = goodput_report.report(results)
+    assert "| 75.0% |" in table
+    assert "— (90.0%, but ends 2.1% worse than clean)" in table and "| 90.0% |" not in table
