@@ -24,9 +24,19 @@ One outer round (:meth:`ElasticDiLoCo.sync`)::
 
 A replica that healed in this round sends zeros with weight 0, so the mean is
 over the replicas that did the work (torchft's own DiLoCo counts the healed
-copy again). With ``fragments=F`` (Streaming DiLoCo without overlap,
-``delay=0, mix=0``), round ``r`` syncs fragment ``r % F`` only (the leaves
-of :func:`jaxcomm.loco.streaming.fragment_of`); the others stay local.
+copy again). With ``fragments=F`` (Streaming DiLoCo), round ``r`` syncs
+fragment ``r % F`` only (the leaves of
+:func:`jaxcomm.loco.streaming.fragment_of`); the others stay local.
+
+Streaming DiLoCo's overlap (its ``tau`` and ``alpha``, torchft's
+``fragment_sync_delay`` and ``fragment_update_alpha``): :meth:`ElasticDiLoCo.start`
+forms the quorum, takes the pseudo-gradient and launches the all-reduce without
+waiting; the replica takes ``tau`` more inner steps while it travels;
+:meth:`ElasticDiLoCo.finish` waits, asks ``should_commit`` and sets the
+fragment to ``(1 - mix) * new_anchor + mix * local`` (``local``: the params
+after those ``tau`` steps); a rolled-back round sets it to the old anchor, as
+torchft does. :meth:`ElasticDiLoCo.sync` is ``start`` then ``finish`` with no
+step between (``tau = 0``).
 
 Why torchft and not JAX's own fault tolerance: on CPU, ``jax.distributed``
 cannot heal a restarted process into a running job, nor survive losing
@@ -64,10 +74,6 @@ References:
 
 from __future__ import annotations
 
-import socket
-import urllib.parse
-import weakref
-from datetime import timedelta
 from typing import Any
 
 import jax
@@ -76,162 +82,24 @@ import numpy as np
 import optax
 
 from jaxcomm import checks
+from jaxcomm.ft_manager import (
+    _import_torch,
+    gloo_manager,
+    load_tree_state_dict,
+    route_address,
+    tree_state_dict,
+)
 from jaxcomm.loco.streaming import fragment_of
 
-__all__ = ["ElasticDiLoCo", "gloo_manager", "load_tree_state_dict", "tree_state_dict"]
+__all__ = [
+    "ElasticDiLoCo",
+    "gloo_manager",
+    "load_tree_state_dict",
+    "route_address",
+    "tree_state_dict",
+]
 
 _OUTER = optax.sgd(0.7, momentum=0.9, nesterov=True)
-_HINT = 'jaxcomm.elastic needs torch and torchft: pip install "jaxcomm[ft]"'
-# each gloo_manager's TCPStore lives as long as its Manager (peers rendezvous through it)
-_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _import_torch():
-    try:
-        import torch
-        import torchft  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"{_HINT} ({e})") from e
-    return torch
-
-
-def route_address(peer: str) -> str:
-    """The address this machine reaches ``peer`` from: its interface on the route
-    (``127.0.0.1`` for a local peer). No packet is sent."""
-    if peer in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))  # a UDP connect only picks the route
-        return s.getsockname()[0]
-
-
-def gloo_manager(
-    replica_id: str,
-    lighthouse: str,
-    *,
-    min_replicas: int = 1,
-    host: str | None = None,
-    timeout_s: float = 60.0,
-    quorum_timeout_s: float = 3600.0,
-    init_sync: bool = True,
-) -> Any:
-    """A torchft ``Manager`` for a one-process replica group, over a gloo process group.
-
-    Starts the replica group's TCP store (peers rendezvous through it) and a
-    ``Manager`` with a synchronous quorum, as DiLoCo needs.
-
-    Args:
-      replica_id: this replica group's name; torchft appends a fresh uuid, so a
-        restarted replica may reuse it (end it in digits: torchft's global rank).
-      lighthouse: the lighthouse's address, e.g. ``"http://host:29650"``
-        (``torchft_lighthouse --min_replicas 1 --bind [::]:29650``).
-      min_replicas: fewest replicas a sync may commit with.
-      host: the address the other replicas reach this one at. ``None``
-        (default): this machine's address on its route to the lighthouse
-        (:func:`route_address`): ``127.0.0.1`` for a local lighthouse, the
-        interface that reaches it otherwise.
-      timeout_s: the all-reduce, commit and healing timeout.
-      quorum_timeout_s: how long a sync waits for its quorum (longer than a round).
-      init_sync: at step 0 the replicas but one heal from it (identical start).
-
-    Returns:
-      A ``torchft.manager.Manager``; give it to :class:`ElasticDiLoCo`.
-    """
-    _import_torch()
-    from torch.distributed import TCPStore
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-
-    if not isinstance(replica_id, str) or not replica_id:
-        raise ValueError(f"replica_id: a non-empty string; got {replica_id!r}")
-    min_replicas = checks.check_int(min_replicas, "min_replicas", 1)
-    timeout = timedelta(seconds=checks.check_positive(timeout_s, "timeout_s"))
-    if host is None:
-        host = route_address(urllib.parse.urlsplit(lighthouse).hostname or "localhost")
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        checkpoint_transport=_transport(host, timeout),
-        pg=ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=checks.check_positive(quorum_timeout_s, "quorum")),
-        connect_timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr=host,
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=replica_id,
-        hostname=host,
-        init_sync=init_sync,
-    )
-    _STORES[manager] = store
-    return manager
-
-
-def _transport(host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport (what a healing peer fetches from), advertising
-    ``host``: torchft's own names ``socket.gethostname()``, which a peer resolves to itself
-    where the replicas share a hostname (containers, network namespaces) or to an
-    interface it cannot reach."""
-    from torchft.checkpointing.http_transport import HTTPTransport
-
-    class HostTransport(HTTPTransport):
-        def address(self) -> str:
-            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
-
-    return HostTransport(timeout=timeout, num_chunks=0)
-
-
-def tree_state_dict(tree: Any) -> dict:
-    """A pytree's leaves as torch uint8 tensors of their bytes, with dtype and shape.
-
-    What torchft sends a healing peer; :func:`load_tree_state_dict` restores it
-    bit-exactly (bfloat16, integer and bool leaves included).
-    """
-    torch = _import_torch()
-    leaves = jax.tree.leaves(tree)
-    arrays = [np.asarray(x) for x in leaves]
-    for i, a in enumerate(arrays):
-        if a.dtype == object or jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
-            raise TypeError(f"tree: leaf {i} has dtype {a.dtype}: only plain arrays travel")
-    return {
-        "bytes": [torch.from_numpy(np.array(a).reshape(-1).view(np.uint8)) for a in arrays],
-        "dtypes": [a.dtype.name for a in arrays],
-        "shapes": [list(a.shape) for a in arrays],
-    }
-
-
-def load_tree_state_dict(like: Any, state: dict, name: str = "tree") -> Any:
-    """The pytree ``state`` (from :func:`tree_state_dict`) holds, in ``like``'s structure.
-
-    Each leaf must have ``like``'s dtype and shape (``ValueError`` naming
-    ``name`` and the leaf otherwise); JAX leaves land on ``like``'s sharding.
-    """
-    leaves, treedef = jax.tree.flatten(like)
-    if len(state["bytes"]) != len(leaves):
-        raise ValueError(f"{name}: {len(state['bytes'])} leaves sent, {len(leaves)} expected")
-    out = []
-    for i, (old, raw, dt, shape) in enumerate(
-        zip(leaves, state["bytes"], state["dtypes"], state["shapes"])
-    ):
-        want = np.asarray(old) if not isinstance(old, jax.Array) else old
-        if jnp.dtype(dt) != want.dtype or tuple(shape) != tuple(want.shape):
-            raise ValueError(
-                f"{name}: leaf {i} sent as {dt}{tuple(shape)}, expected "
-                f"{want.dtype}{tuple(want.shape)}"
-            )
-        a = np.array(raw.numpy()).view(jnp.dtype(dt)).reshape(shape)
-        if isinstance(old, jax.Array):
-            out.append(jax.device_put(a, old.sharding))
-        elif isinstance(old, np.ndarray):
-            out.append(a)
-        else:  # a Python scalar
-            out.append(type(old)(a.item()))
-    return jax.tree.unflatten(treedef, out)
 
 
 class ElasticDiLoCo:
@@ -250,6 +118,13 @@ class ElasticDiLoCo:
         nesterov=True)`` as in the paper.
       fragments: Streaming DiLoCo's fragment count (1: DiLoCo); round ``r``
         syncs fragment ``r % fragments``.
+      mix: Streaming DiLoCo's ``alpha`` in ``[0, 1]``: a committed fragment
+        becomes ``(1 - mix) * anchor + mix * local`` (0: the anchor, DiLoCo).
+      delay: Streaming DiLoCo's ``tau``: the inner steps the caller takes
+        between :meth:`start` and :meth:`finish`. Peers heal a replica inside
+        their :meth:`start`, that many steps before their round ends: a
+        replica that heals in :meth:`join` takes their position after those
+        steps (it skips their batches), so that its rounds line up with theirs.
       key: the name this state is registered under with the manager.
 
     Example:
@@ -259,6 +134,12 @@ class ElasticDiLoCo:
       >>> while loop.rounds < 100:
       ...     params, state = inner_steps(params, state, loop.inner_steps)  # jitted, H steps
       ...     params, state, committed = loop.sync(params, state, steps=H)
+
+      With overlap (``tau`` inner steps while the fragment travels)::
+
+          params, state = loop.start(params, state, steps=H // F - tau)
+          params, state = inner_steps(params, state, tau)
+          params, state, committed = loop.finish(params, state, steps=tau)
 
     References:
       Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo, 2025,
@@ -273,6 +154,8 @@ class ElasticDiLoCo:
         *,
         outer: optax.GradientTransformation = _OUTER,
         fragments: int = 1,
+        mix: float = 0.0,
+        delay: int = 0,
         key: str = "jaxcomm_diloco",
     ) -> None:
         self._torch = _import_torch()
@@ -283,6 +166,11 @@ class ElasticDiLoCo:
             )
         outer = checks.check_tx(outer, "outer")
         fragments = checks.check_int(fragments, "fragments", 1)
+        if not 0.0 <= float(mix) <= 1.0:
+            raise ValueError(f"mix: {mix} is outside [0, 1] (Streaming DiLoCo's alpha)")
+        self._mix = float(mix)
+        self._delay = checks.check_int(delay, "delay", 0)
+        self._pending = None  # a started round: (fragment, members, buffer, work)
         for i, x in enumerate(jax.tree.leaves(params)):
             if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 raise TypeError(f"params: leaf {i} has dtype {jnp.asarray(x).dtype}; "
@@ -301,6 +189,7 @@ class ElasticDiLoCo:
         self.healed = False  # whether the last sync loaded a peer's state
         self.participants = 0  # replicas in the last sync's quorum
         self._delta = jax.jit(_delta)
+        self._blend = jax.jit(_blend, static_argnums=2)
         self._apply = jax.jit(lambda a, s, d: _outer_step(outer, a, s, d))
         manager.register_state_dict_fn(key, self.load_state_dict, self.state_dict)
 
@@ -334,6 +223,8 @@ class ElasticDiLoCo:
           ``(params, inner_state)`` to start the inner steps from.
         """
         params, inner_state, _ = self.sync(self._params, self._inner_state, steps=0)
+        if self.healed:  # the peers go on from delay steps further on (see ``delay``)
+            self.inner_steps += self._delay
         return params, inner_state
 
     def sync(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any, bool]:
@@ -346,18 +237,29 @@ class ElasticDiLoCo:
 
         Returns:
           ``(params, inner_state, committed)``: the params to go on from (the
-          new anchor's fragment if committed, the old anchor's if rolled
-          back), the inner state (a peer's if this replica healed), and
-          whether the round committed.
+          new anchor's fragment if committed, mixed with the local one by
+          ``mix``; the old anchor's if rolled back), the inner state (a peer's
+          if this replica healed), and whether the round committed.
         """
-        torch = self._torch
+        params, inner_state = self.start(params, inner_state, steps=steps)
+        return self.finish(params, inner_state, steps=0)
+
+    def start(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any]:
+        """The first half of a round: quorum, pseudo-gradient, all-reduce launched, not waited.
+
+        Args:
+          params, inner_state: after the inner steps since the last round.
+          steps: inner steps taken since the last round.
+
+        Returns:
+          ``(params, inner_state)`` to take the overlapped inner steps from: the
+          same ones, or a peer's if this replica healed at the quorum.
+        """
         from torch.distributed import ReduceOp
 
-        if jax.tree.structure(params) != jax.tree.structure(self._anchor):
-            raise ValueError(
-                f"params: structure {jax.tree.structure(params)} is not the initial params' "
-                f"{jax.tree.structure(self._anchor)}"
-            )
+        if self._pending is not None:
+            raise RuntimeError("start: the round started before has not finished (call finish)")
+        self._check_structure(params)
         self.inner_steps += checks.check_int(steps, "steps", 0)
         # what a healing peer is sent, if the quorum asks for it
         self._params, self._inner_state = params, inner_state
@@ -366,23 +268,53 @@ class ElasticDiLoCo:
         self.participants = self._manager.num_participants()
         f = self._manager.current_step() % len(self._members)
         members = self._members[f]
-        leaves = jax.tree.leaves(self._params)
-        anchor = jax.tree.leaves(self._anchor)
-        a_f, p_f = [anchor[j] for j in members], [leaves[j] for j in members]
+        leaves, anchor = jax.tree.leaves(self._params), jax.tree.leaves(self._anchor)
         weight = jnp.float32(0.0 if self.healed else 1.0)
-        buf = torch.from_numpy(np.array(self._delta(a_f, p_f, weight)))
-        self._manager.allreduce(buf, reduce_op=ReduceOp.SUM).wait()
+        delta = self._delta([anchor[j] for j in members], [leaves[j] for j in members], weight)
+        buf = self._torch.from_numpy(np.array(delta))
+        work = self._manager.allreduce(buf, reduce_op=ReduceOp.SUM)
+        self._pending = (f, members, buf, work)
+        return self._params, self._inner_state
+
+    def finish(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any, bool]:
+        """The second half: wait for the all-reduce, commit or roll back, the outer step.
+
+        Args:
+          params, inner_state: after the inner steps taken since :meth:`start`.
+          steps: those inner steps (``tau``).
+
+        Returns:
+          ``(params, inner_state, committed)`` as :meth:`sync`.
+        """
+        if self._pending is None:
+            raise RuntimeError("finish: no round was started (call start first)")
+        self._check_structure(params)
+        f, members, buf, work = self._pending
+        self._pending = None
+        self.inner_steps += checks.check_int(steps, "steps", 0)
+        work.wait()
         committed = self._manager.should_commit()
+        leaves, anchor = jax.tree.leaves(params), jax.tree.leaves(self._anchor)
+        a_f = [anchor[j] for j in members]
         if committed:
-            s_f = self._outer_state[f]
-            a_f, s_f = self._apply(a_f, s_f, jnp.asarray(buf.numpy()))
+            a_f, s_f = self._apply(a_f, self._outer_state[f], jnp.asarray(buf.numpy()))
             anchor = _put(anchor, members, a_f)
             self._anchor = jax.tree.unflatten(jax.tree.structure(self._anchor), anchor)
             self._outer_state = _replace(self._outer_state, f, s_f)
-        # committed or not, the fragment goes on from the anchor (never half-applied)
-        treedef = jax.tree.structure(self._params)
+            if self._mix:
+                a_f = self._blend(a_f, [leaves[j] for j in members], self._mix)
+        # rolled back, the fragment goes on from the old anchor (never half-applied)
+        treedef = jax.tree.structure(params)
         self._params = jax.tree.unflatten(treedef, _put(leaves, members, a_f))
+        self._inner_state = inner_state
         return self._params, self._inner_state, committed
+
+    def _check_structure(self, params: Any) -> None:
+        if jax.tree.structure(params) != jax.tree.structure(self._anchor):
+            raise ValueError(
+                f"params: structure {jax.tree.structure(params)} is not the initial params' "
+                f"{jax.tree.structure(self._anchor)}"
+            )
 
     def state_dict(self) -> dict:
         """Everything a restarted replica heals from (torchft calls it on a live peer)."""
@@ -414,6 +346,14 @@ def _delta(anchor: list, params: list, weight: jax.Array) -> jax.Array:
         (a.astype(jnp.float32) - p.astype(jnp.float32)).ravel() for a, p in zip(anchor, params)
     ]
     return jnp.concatenate([weight * jnp.concatenate(parts), weight[None]])
+
+
+def _blend(anchor: list, local: list, mix: float) -> list:
+    """``(1 - mix) * anchor + mix * local`` in float32, in each leaf's dtype."""
+    return [
+        ((1 - mix) * a.astype(jnp.float32) + mix * x.astype(jnp.float32)).astype(x.dtype)
+        for a, x in zip(anchor, local)
+    ]
 
 
 def _outer_step(outer: optax.GradientTransformation, anchor: list, state: Any, total: jax.Array):

@@ -148,6 +148,61 @@ def test_streaming_fragments_take_turns(lighthouse):
                 np.testing.assert_array_equal(after[k], local[k])
 
 
+def test_streaming_overlap_is_the_papers_rule(lighthouse):
+    # Streaming DiLoCo with overlap (tau inner steps while the fragment travels, alpha 0.25,
+    # not 0.5, so that swapped roles show): the pseudo-gradient is taken at start, the outer
+    # step applied at finish, and the fragment becomes (1 - alpha) * new anchor + alpha *
+    # the params after the tau steps
+    owner = fragment_of(PARAMS, 2)
+    names = sorted(PARAMS)
+    members = [[names[j] for j, f in enumerate(owner) if f == g] for g in range(2)]
+
+    def body(i, manager):
+        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, (), fragments=2, mix=0.25)
+        params, _ = loop.join()
+        seen = []
+        for r in range(3):
+            at_start = jax.tree.map(lambda p, d: p + d, params, _drift(i, r))
+            params, _ = loop.start(at_start, (), steps=3)
+            at_finish = jax.tree.map(lambda p, d: p + d, params, _drift(i, 10 + r))
+            params, _, committed = loop.finish(at_finish, (), steps=1)
+            assert committed
+            seen.append(jax.tree.map(np.asarray, (at_start, at_finish, params)))
+        return seen, loop.inner_steps
+
+    out = _replicas(lighthouse(2), 2, body)
+    assert [steps for _, steps in out] == [12, 12]
+    anchor = {k: np.zeros(v.shape, np.float32) for k, v in PARAMS.items()}
+    momentum = {k: np.zeros(v.shape, np.float32) for k, v in PARAMS.items()}
+    for r in range(3):
+        starts = [seen[r][0] for seen, _ in out]
+        for k in members[(r + 1) % 2]:  # the join took manager step 0: fragment 1 first
+            g = np.mean([anchor[k] - s[k] for s in starts], axis=0, dtype=np.float32)
+            momentum[k] = 0.9 * momentum[k] + g
+            anchor[k] = anchor[k] - 0.7 * (g + 0.9 * momentum[k])
+        for seen, _ in out:
+            _, at_finish, after = seen[r]
+            for k in PARAMS:
+                want = (0.75 * anchor[k] + 0.25 * at_finish[k]
+                        if k in members[(r + 1) % 2] else at_finish[k])  # fmt: skip
+                np.testing.assert_allclose(after[k], want, rtol=1e-6, atol=1e-6)
+
+
+def test_overlap_refuses_out_of_order_calls(lighthouse):
+    def body(i, manager):
+        with pytest.raises(ValueError, match=r"mix: 1.5 is outside \[0, 1\]"):
+            jaxcomm.ElasticDiLoCo(manager, PARAMS, (), mix=1.5)
+        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, ())
+        with pytest.raises(RuntimeError, match="finish: no round was started"):
+            loop.finish(PARAMS, (), steps=0)
+        loop.start(PARAMS, (), steps=0)
+        with pytest.raises(RuntimeError, match="start: the round started before"):
+            loop.start(PARAMS, (), steps=0)
+        assert loop.finish(PARAMS, (), steps=0)[2]
+
+    _replicas(lighthouse(1), 1, body)
+
+
 TREE = {
     "f32": np.array([1.5, -0.0, np.inf, np.nan], np.float32),
     "bf16": jnp.asarray([1.0, 2.5, -3.0], jnp.bfloat16),

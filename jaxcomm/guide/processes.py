@@ -57,7 +57,10 @@ between syncs is dropped and the survivors commit the next round without
 it; killed inside the outer all-reduce, the survivors' round is rolled back
 (params return to the last anchor, never half-applied); a restarted replica
 heals from a live peer (params, inner and outer optimizer state, anchor) and
-is bit-equal to them from then on. JAX's own fault tolerance on CPU cannot
+is bit-equal to them from then on. Streaming DiLoCo's overlap is `start`
+(quorum, pseudo-gradient, all-reduce launched) and `finish` (wait, commit,
+`mix` of the local fragment) with `delay` inner steps between, as torchft's
+`fragment_sync_delay` and `fragment_update_alpha`. JAX's own fault tolerance on CPU cannot
 heal a restarted process or survive losing process 0, hence torchft (its
 module docstring says more); `tests/test_elastic.py` tests both kinds of
 kill (a demo with a kill and a restart is in the `experiments` package).
