@@ -140,15 +140,35 @@ def test_a_killed_replica_is_restarted_and_heals(tmp_path, side):
         )
 
 
+@pytest.mark.slow
+def test_streaming_with_overlap_survives_a_kill(tmp_path):
+    # jaxcomm's Streaming DiLoCo at the study's overlap (delay 1, mix 0.5, as torchft's):
+    # 3 replicas, one killed and restarted; every replica finishes on the same global copy
+    # (the params differ by each one's mixed-in local fragment)
+    args = goodput.parse([f"--workdir={tmp_path}", "--steps=400", "--step_s=0.1",
+                          "--kill_every=8", "--max_kills=1", "--restart_after=1",
+                          "--deadline_s=600", "--heartbeat_timeout_ms=1000",
+                          "--join_timeout_ms=5000", *TINY])  # fmt: skip
+    assert goodput.sync_settings(args, "jaxcomm", "streaming") == goodput.sync_settings(
+        args, "torchft", "streaming"
+    )
+    out = goodput.run(args, "jaxcomm", "streaming", 3, failures=True)
+    assert out["kills"] == 1 and sorted(out["finished"]) == [0, 1, 2]
+    assert out["anchors_agree"] and not out["params_agree"]
+    assert out["position"] == 400 and out["useful_steps"] < 3 * 400
+    run_dir = str(tmp_path / "jaxcomm_streaming_n3_failures")
+    assert out["useful_steps_by_replica"] == _closed_form(run_dir, out, 5)  # H / F steps a round
+
+
 def test_a_manager_advertises_its_own_address_to_healing_peers():
     # the replicas of a lab share a hostname, which each resolves to itself: torchft's own
     # transport would send a healing peer to its own address (connection refused)
     from datetime import timedelta
 
-    from jaxcomm import elastic
+    from jaxcomm import elastic, ft_manager
 
     assert elastic.route_address("localhost") == "127.0.0.1"
-    transport = elastic._transport("10.211.0.7", timedelta(seconds=5))
+    transport = ft_manager._transport("10.211.0.7", timedelta(seconds=5))
     try:
         assert transport.address().startswith("http://10.211.0.7:")
     finally:
@@ -202,7 +222,7 @@ def test_ratio_withheld_where_failures_cost_more_than_the_band():
             "failure_seed": 0,
             "steps": 2000,
             "link": "100mbit",
-            "torch_streaming": "elastic",
+            "streaming": "no_overlap",
         },
         "runs": {
             "a/clean": run("jaxcomm", "clean", 4.0, 1.90),

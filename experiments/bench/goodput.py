@@ -94,9 +94,9 @@ def parse(argv=None) -> argparse.Namespace:
         default=0.0,
         help="least wall time of an inner step (a larger model's compute; 0: none)",
     )
-    p.add_argument("--torch_streaming", choices=["study", "elastic"], default="study",
-                   help="torchft's Streaming DiLoCo at the study's delay 1, mix 0.5, or as "
-                   "ElasticDiLoCo runs it (delay 0, mix 0)")  # fmt: skip
+    p.add_argument("--streaming", choices=goodput_workload.STREAMING, default="study",
+                   help="Streaming DiLoCo on both sides at the study's overlap (delay 1, "
+                   "mix 0.5) or with none (delay 0, mix 0)")  # fmt: skip
     p.add_argument("--heartbeat_timeout_ms", type=int, default=2000)
     p.add_argument("--join_timeout_ms", type=int, default=10000)
     p.add_argument("--timeout_s", type=float, default=60.0, help="all-reduce/commit/heal timeout")
@@ -117,7 +117,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 _WORKLOAD = ("steps", "model", "seq_len", "batch_size", "test_windows", "seed", "timeout_s",
-             "deadline_s", "step_s", "torch_streaming")  # fmt: skip
+             "deadline_s", "step_s", "streaming")  # fmt: skip
 
 
 class Schedule:
@@ -271,15 +271,16 @@ def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
         return goodput_torch.settings(argparse.Namespace(**{**vars(args), "method": method}))
     c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": method}))
     every, fragments = goodput_workload.sync_period(c)
+    delay, mix = goodput_workload.overlap(c, args.streaming)
     lr = c.wrapper.get("outer_learning_rate", 0.7)
-    return {"every": every, "fragments": fragments, "delay": 0, "mix": 0.0,
+    return {"every": every, "fragments": fragments, "delay": delay, "mix": mix,
             "outer_learning_rate": lr}  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> dict:
     c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": "diloco"}))
     keys = ("kill_every", "restart_after", "failure_seed", "max_kills", "heartbeat_timeout_ms",
-            "join_timeout_ms", "timeout_s", "seed", "step_s", "torch_streaming")  # fmt: skip
+            "join_timeout_ms", "timeout_s", "seed", "step_s", "streaming")  # fmt: skip
     return {**{k: getattr(args, k) for k in keys}, "steps": c.num_train_steps,
             "model": dict(c.model.kwargs), "seq_len": c.data.seq_len,
             "batch_size": c.data.batch_size, "test_windows": c.data.test_windows,

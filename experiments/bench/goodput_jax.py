@@ -4,10 +4,13 @@ One replica is one JAX program (:mod:`experiments.bench.goodput` starts it with
 ``--role=replica --side=jaxcomm``): the study's GPT and inner AdamW on its
 schedule, ``H / fragments`` inner steps per jitted ``lax.scan`` (batches drawn
 on device as the harness's worker of this index draws them), then
-:meth:`jaxcomm.ElasticDiLoCo.sync`. A restarted replica heals at its
-:meth:`~jaxcomm.ElasticDiLoCo.join`. Streaming DiLoCo runs as ElasticDiLoCo
-does it: fragment ``r % F`` synced every ``H / F`` steps, without overlap
-(``delay=0, mix=0``; the study's variant has ``delay=1, mix=0.5``).
+the outer sync. A restarted replica heals at its
+:meth:`~jaxcomm.ElasticDiLoCo.join`. Streaming DiLoCo runs as torchft's does
+(:func:`experiments.bench.goodput_workload.overlap`: the study's ``delay=1,
+mix=0.5`` unless ``--streaming=no_overlap``): fragment ``r % F`` every ``H / F``
+steps, its all-reduce started ``delay`` steps before the round's end
+(:meth:`~jaxcomm.ElasticDiLoCo.start`) and finished at it
+(:meth:`~jaxcomm.ElasticDiLoCo.finish`), mixing ``mix`` of the local fragment in.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ def replica(args) -> None:
     config = workload.config(args)
     every, fragments = workload.sync_period(config)
     per_sync = every // fragments
+    delay, mix = workload.overlap(config, args.streaming)
     ds = workload.dataset(config, args.replicas)
     model = models.build(config.model.name, **config.model.kwargs)
     # train.build_model's initialisation, compiled as one program (op by op it compiles
@@ -77,9 +81,12 @@ def replica(args) -> None:
     # sharding): the inner steps compile once, not again after a heal
     params = jax.device_put(init(jax.random.key(config.seed)), jax.devices()[0])
     inner = optax.adamw(optimizers.learning_rate(config), **config.optimizer.kwargs)
-    run = inner_steps_fn(model, inner, ds, config, args.replica, per_sync)
+    # per round: per_sync - delay steps, the all-reduce started, delay steps beside it
+    run = inner_steps_fn(model, inner, ds, config, args.replica, per_sync - delay)
+    tail = inner_steps_fn(model, inner, ds, config, args.replica, delay) if delay else None
     state = jax.device_put(inner.init(params), jax.devices()[0])
-    jax.block_until_ready(run(params, state, 0))  # compiled before joining
+    for f in filter(None, (run, tail)):
+        jax.block_until_ready(f(params, state, 0))  # compiled before joining
     manager = elastic.gloo_manager(
         f"replica_{args.replica}", args.lighthouse, min_replicas=1,
         timeout_s=args.timeout_s, quorum_timeout_s=args.deadline_s,
@@ -91,23 +98,35 @@ def replica(args) -> None:
         wait_ready(log.dir, args.replicas)
     lr = config.wrapper.get("outer_learning_rate", 0.7)
     outer = optax.sgd(lr, momentum=0.9, nesterov=True)
-    loop = jaxcomm.ElasticDiLoCo(manager, params, state, outer=outer, fragments=fragments)
+    loop = jaxcomm.ElasticDiLoCo(manager, params, state, outer=outer, fragments=fragments,
+                                 mix=mix, delay=delay)  # fmt: skip
 
-    def sync(p, s, steps, loss):
-        before, t = loop.rounds, time.perf_counter()
-        p, s, committed = loop.sync(p, s, steps=steps)
-        log.sync(round=before, rounds=loop.rounds, committed=committed, healed=loop.healed,
-                 participants=loop.participants, steps=steps, position=loop.inner_steps,
-                 sync_s=time.perf_counter() - t, loss=loss)  # fmt: skip
-        return p, s
-
-    params, state = sync(params, state, 0, None)  # the join: a restarted replica heals here
-    while loop.inner_steps < config.num_train_steps:
+    def steps(f, p, s, n):
         t = time.perf_counter()
-        params, state, loss = run(params, state, loop.inner_steps)
-        loss = float(loss)
-        time.sleep(max(0.0, per_sync * args.step_s - (time.perf_counter() - t)))
-        params, state = sync(params, state, per_sync, loss)
+        p, s, loss = f(p, s, loop.inner_steps)  # the data position: steps taken so far
+        time.sleep(max(0.0, n * args.step_s - (time.perf_counter() - t)))
+        return p, s, float(loss) * n
+
+    def log_sync(before, committed, n, sync_s, loss):
+        log.sync(round=before, rounds=loop.rounds, committed=committed, healed=loop.healed,
+                 participants=loop.participants, steps=n, position=loop.inner_steps,
+                 sync_s=sync_s, loss=loss)  # fmt: skip
+
+    t = time.perf_counter()
+    params, state = loop.join()  # a restarted replica heals here
+    log_sync(0, loop.rounds > 0, 0, time.perf_counter() - t, None)  # committed: a step on
+    while loop.inner_steps < config.num_train_steps:
+        before = loop.rounds
+        params, state, loss = steps(run, params, state, per_sync - delay)
+        t = time.perf_counter()
+        params, state = loop.start(params, state, steps=per_sync - delay)
+        sync_s = time.perf_counter() - t
+        if tail is not None:  # the all-reduce travels beside these steps
+            params, state, more = steps(tail, params, state, delay)
+            loss += more
+        t = time.perf_counter()
+        params, state, committed = loop.finish(params, state, steps=delay)
+        log_sync(before, committed, per_sync, sync_s + time.perf_counter() - t, loss / per_sync)
     ev = train.make_eval(model, ds, config.eval_batch_size)(loop.params, {})
     log.final(position=loop.inner_steps, rounds=loop.rounds, params=sha256(loop.params),
               anchor=sha256(loop.anchor), eval_loss=ev["eval_loss"],

@@ -91,11 +91,19 @@ def account(run_dir: str, n: int, events: list[dict], t_start: float) -> dict:
         "heals": [h for i in range(n) for h in heals(lines[i], events, i)],
         "finished": sorted(finals),
         "params_agree": len({f["params"] for f in finals.values()}) == 1,
+        # the global copy (jaxcomm's replicas log it; with Streaming DiLoCo's mix > 0 the
+        # params differ by each replica's own local part, the anchors may not)
+        "anchors_agree": _agree([f.get("anchor") for f in finals.values()]),
         "final_params": {i: f["params"] for i, f in finals.items()},
         "position": first["position"],
         "eval_loss": first["eval_loss"],
         "eval_loss_se": first["eval_loss_se"],
     }
+
+
+def _agree(hashes: list) -> bool | None:
+    """Whether every finished replica logged the same hash (None: some logged none)."""
+    return None if None in hashes else len(set(hashes)) == 1
 
 
 def dense_band(study: dict | None) -> dict | None:
@@ -158,13 +166,13 @@ def report(results: dict) -> str:
 
     c = results["config"]
     band = results.get("dense_band") or {}
-    torch_stream = "delay 0, mix 0" if c["torch_streaming"] == "elastic" else "delay 1, mix 0.5"
+    stream = "delay 0, mix 0" if c.get("streaming") == "no_overlap" else "delay 1, mix 0.5"
     lines = [
         f"Kill a random replica every {c['kill_every']:g} s, restart it {c['restart_after']:g} s "
         f"later (seed {c['failure_seed']}); {c['steps']} inner steps a replica, "
         f"{c['link']}. Goodput: useful inner steps per replica-second "
         "(experiments/bench/goodput_report.py). Streaming DiLoCo (H=10, 2 fragments): "
-        f"jaxcomm's ElasticDiLoCo without overlap (delay 0, mix 0), torchft's {torch_stream}.",
+        f"{stream} on both sides.",
         "",
         "| replicas | side | method | goodput clean | under failures | ratio | kills "
         "| rounds | rollbacks | heal s | loss clean | loss failures |",

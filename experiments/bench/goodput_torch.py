@@ -5,7 +5,7 @@ What a PyTorch user would run: the twin model, AdamW and schedule of
 index draws, and ``torchft.local_sgd.DiLoCo`` at the study's settings
 (:func:`experiments.bench.torch_lm_ft.settings`; fragments as
 :func:`~experiments.bench.torch_lm_ft.fragments`: Streaming DiLoCo with
-``delay=1, mix=0.5``) over a one-process replica group
+``delay=1, mix=0.5``, or none with ``--streaming=no_overlap``) over a one-process replica group
 (:func:`jaxcomm.elastic.gloo_manager`, ``min_replicas=1``) and the launcher's
 lighthouse, as :mod:`experiments.bench.goodput` starts it
 (``--role=replica --side=torchft``). Unlike
@@ -49,11 +49,11 @@ class _Recorder:
 
 
 def settings(args) -> dict:
-    """torch_lm_ft's settings of ``args.method`` (``--torch_streaming=elastic``: no overlap)."""
+    """torch_lm_ft's settings of ``args.method``, its overlap as ``args.streaming`` says."""
     from experiments.bench import torch_lm_ft
 
     s = torch_lm_ft.settings("ft_" + args.method)
-    if args.torch_streaming == "elastic":  # as jaxcomm's ElasticDiLoCo runs it
+    if args.streaming == "no_overlap":
         s.update(delay=0, mix=0.0)
     return s
 

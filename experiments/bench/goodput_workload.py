@@ -29,6 +29,7 @@ from experiments import data as data_lib
 from experiments.configs import lm_shakespeare
 
 METHODS = ("diloco", "streaming")
+STREAMING = ("study", "no_overlap")
 
 
 def config(args) -> ml_collections.ConfigDict:
@@ -60,6 +61,16 @@ def config(args) -> ml_collections.ConfigDict:
 def sync_period(c: ml_collections.ConfigDict) -> tuple[int, int]:
     """``(H, fragments)``: inner steps per round, and the fragments it syncs in turn."""
     return int(c.wrapper.every), int(c.wrapper.get("fragments", 1))
+
+
+def overlap(c: ml_collections.ConfigDict, streaming: str) -> tuple[int, float]:
+    """``(delay, mix)`` of the variant's outer loop: Streaming DiLoCo's at the study's values
+    (``delay=1, mix=0.5``), or none with ``streaming="no_overlap"`` (DiLoCo: none)."""
+    if streaming not in STREAMING:
+        raise ValueError(f"--streaming: one of {STREAMING}, got {streaming!r}")
+    if streaming == "no_overlap":
+        return 0, 0.0
+    return int(c.wrapper.get("delay", 0)), float(c.wrapper.get("mix", 0.0))
 
 
 def dataset(c: ml_collections.ConfigDict, replicas: int) -> data_lib.Dataset:
