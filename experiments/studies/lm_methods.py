@@ -33,6 +33,8 @@ OPTIMIZER = {
     "sparseloco": "AdamW inner, outer step 1 on top-k + 2-bit codes with EF (H=10)",
     "muloco": "Muon inner (AdamW's RMS, schedule, decay), Nesterov outer (H=10)",
     "demo": "DeMo: sign of the decoded top-k DCT momentum (its own optimizer)",
+    "demo_full": "DeMo's optimizer, every DCT coefficient kept (no compression)",
+    "muon": "Muon (AdamW's RMS, schedule, decay), every step",
     **{
         m: "AdamW inner, Nesterov outer per fragment (H=10, 2 fragments), exchange overlapped"
         for m in OVERLAP

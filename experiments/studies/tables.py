@@ -33,7 +33,7 @@ from experiments.bench import (
     overlap,
     step_parts_report,
 )
-from experiments.studies import netstudy, report
+from experiments.studies import lm_progress, netstudy, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -48,6 +48,10 @@ def _load(name: str) -> dict:
 
 def _lm_study() -> str:
     return report.lm_markdown(_load("lm_study.json"))
+
+
+def _lm_progress() -> str:
+    return lm_progress.report(_load("lm_study_learned.json"))
 
 
 def _netstudy() -> str:
@@ -156,6 +160,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "goodput": _goodput,
     "headlines": _headlines,
     "lm_study": _lm_study,
+    "lm_study_learned": _lm_progress,
     "netstudy": _netstudy,
     "overlap": _overlap,
     "step_parts": _step_parts,
@@ -176,6 +181,11 @@ DOCUMENTS = {
         "Goodput under failures: jaxcomm's ElasticDiLoCo beside torchft's DiLoCo",
     ),
     "lm_study": ("lm_study.md", "lm_study.json", "A GPT-style LM on shaped links"),
+    "lm_study_learned": (
+        "lm_study_learned.md",
+        "lm_study_learned.json",
+        "The LM study in the learned regime: final losses so far",
+    ),
     "netstudy": ("netstudy.md", "netstudy.json", "Time to accuracy on shaped links (MLPs)"),
     "overlap": ("overlap.md", "overlap.json", "Streaming DiLoCo: the exchange beside the steps"),
     "step_parts": (

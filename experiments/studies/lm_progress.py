@@ -1,0 +1,110 @@
+"""The learned-regime LM study's final losses so far, from its JSON (no times, no ratios).
+
+``experiments/results/lm_study_learned.json`` fills run by run
+(``python -m experiments.studies.lm --phases=runs``): each run is one method
+and seed on loopback, its validation loss every 100 steps. Until the
+shaped-link probes and the end-to-end validation runs exist, the study has no
+time to target on any link, so this table gives quality only:
+
+- each method's final validation loss per seed, their median;
+- the median against dense's median final (the study's quality band,
+  :data:`experiments.studies.verdict.QUALITY_BAND`, needs 3 seeds of dense);
+- whether every seed ends within :data:`~experiments.studies.verdict.HEADLINE_BAND`
+  of dense's median (the headline rule; judged at 3 seeds);
+- for optimizers and outer loops, the median of their own dense counterpart
+  (:data:`experiments.studies.lm_methods.COUNTERPART`);
+- the counting models' losses on the same split.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from experiments.studies import verdict
+from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER
+from experiments.studies.report import ngram_line
+
+
+def finals(results: dict, n: int = 2) -> dict[str, dict[int, float]]:
+    """``{method: {seed: final validation loss}}`` of the runs on ``n`` processes."""
+    out: dict[str, dict[int, float]] = {}
+    for r in results["runs"]:
+        if r.get("n", 2) == n and r.get("curve"):
+            out.setdefault(r["method"], {})[r["seed"]] = r["curve"][-1]["eval_loss"]
+    order = {m: i for i, m in enumerate(METHODS)}
+    return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+
+def rows(results: dict, n: int = 2) -> list[dict]:
+    """One row a method: seeds, finals, median, and how it stands against dense."""
+    by = finals(results, n)
+    dense = list(by.get("dense", {}).values())
+    judged = len(dense) >= verdict.MIN_SEEDS
+    out = []
+    for m, seeds in by.items():
+        vals = [seeds[s] for s in sorted(seeds)]
+        row = {"method": m, "seeds": sorted(seeds), "finals": vals,
+               "median": statistics.median(vals), "counterpart": COUNTERPART.get(m)}  # fmt: skip
+        if judged and m != "dense":
+            q = verdict.quality(vals, dense)
+            row.update(worse_by=q["worse_by"], within_band=q["within_band"])
+            if len(vals) >= verdict.MIN_SEEDS:
+                ref = statistics.median(dense)
+                row["headline_quality"] = all(v <= ref * (1 + verdict.HEADLINE_BAND) for v in vals)
+        twin = by.get(row["counterpart"] or "")
+        if twin:
+            row["counterpart_median"] = statistics.median(twin.values())
+        out.append(row)
+    return out
+
+
+def _band_cell(r: dict) -> str:
+    if "worse_by" not in r:
+        return "—"
+    verdict_ = "within" if r["within_band"] else "outside"
+    return f"{r['worse_by']:+.1%} ({verdict_})"
+
+
+def _headline_cell(r: dict) -> str:
+    if r["method"] == "dense" or "worse_by" not in r:
+        return "—"
+    if "headline_quality" not in r:
+        return f"— ({len(r['seeds'])} of {verdict.MIN_SEEDS} seeds)"
+    return "yes" if r["headline_quality"] else "no"
+
+
+def report(results: dict, n: int = 2) -> str:
+    """The markdown: one row a method, then dense's median and the counting models."""
+    table = rows(results, n)
+    dense = next((r for r in table if r["method"] == "dense"), None)
+    steps = results.get("steps")
+    lines = [
+        f"{n} processes, loopback, {steps} steps a run; final validation loss in nats/byte "
+        "(128 held-out windows). Quality only: no step times and no speed-ups until the "
+        "shaped-link probes and validation runs are in the JSON "
+        "(`python -m experiments.studies.lm --phases=probes,validate`).",
+        "",
+        f"| method | update | seeds | finals | median | vs dense's median (band "
+        f"{verdict.QUALITY_BAND:.0%}) | every seed within {verdict.HEADLINE_BAND:.0%} "
+        "| own dense counterpart (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        twin = ("—" if not r["counterpart"] else f"{r['counterpart']} "
+                + (f"({r['counterpart_median']:.4f})" if "counterpart_median" in r
+                   else "(not run)"))  # fmt: skip
+        lines.append(
+            f"| {r['method']} | {OPTIMIZER.get(r['method'], 'AdamW, every step')} "
+            f"| {', '.join(map(str, r['seeds']))} | {' / '.join(f'{v:.4f}' for v in r['finals'])} "
+            f"| {r['median']:.4f} | {_band_cell(r)} | {_headline_cell(r)} | {twin} |"
+        )
+    lines.append("")
+    if dense and len(dense["seeds"]) >= verdict.MIN_SEEDS:
+        lines.append(f"Dense's median final: {dense['median']:.4f} over seeds "
+                     f"{', '.join(map(str, dense['seeds']))}.")  # fmt: skip
+    else:
+        lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
+    ngram = ngram_line(results)
+    if ngram:
+        lines += ["", ngram]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,47 @@
+"""experiments.studies.lm_progress: the learned-regime study's finals table, from its JSON."""
+
+import pytest
+
+from experiments.studies import lm_progress
+
+
+def _run(method, seed, loss, n=2):
+    return {"n": n, "method": method, "seed": seed,
+            "curve": [{"eval_loss": 9.0}, {"eval_loss": loss}]}  # fmt: skip
+
+
+RESULTS = {
+    "steps": 2000,
+    "runs": [
+        *[_run("dense", s, x) for s, x in enumerate((1.74, 1.70, 1.72))],
+        *[_run("bf16", s, x) for s, x in enumerate((1.73, 1.72, 1.71))],
+        *[_run("int8_2p", s, x) for s, x in enumerate((1.73, 1.74, 1.75))],
+        _run("muloco", 0, 1.80),
+        _run("muon", 0, 1.65),
+        _run("dense", 0, 1.0, n=4),  # another process count: not in the 2-process table
+    ],
+}
+
+
+def test_rows_judge_against_dense_median_only_with_three_seeds():
+    rows = {r["method"]: r for r in lm_progress.rows(RESULTS)}
+    assert list(rows) == ["dense", "bf16", "int8_2p", "muloco", "muon"]  # the study's order
+    assert rows["dense"]["median"] == 1.72 and rows["dense"]["finals"] == [1.74, 1.70, 1.72]
+    # int8_2p: median 1.74, 1.16% worse (inside 2%), but one seed over 1.72 * 1.01
+    assert rows["int8_2p"]["worse_by"] == pytest.approx(1.74 / 1.72 - 1)
+    assert rows["int8_2p"]["within_band"] and not rows["int8_2p"]["headline_quality"]
+    assert rows["bf16"]["headline_quality"]  # 1.73 <= 1.7372
+    # one seed: judged against the band, never for the headline
+    assert not rows["muloco"]["within_band"] and "headline_quality" not in rows["muloco"]
+    assert rows["muloco"]["counterpart_median"] == 1.65
+    # fewer than 3 dense seeds: nothing judged
+    two = {"steps": 2000, "runs": RESULTS["runs"][1:]}
+    assert all("worse_by" not in r for r in lm_progress.rows(two))
+
+
+def test_report_cells():
+    text = lm_progress.report(RESULTS)
+    assert "| int8_2p | AdamW, every step | 0, 1, 2 | 1.7300 / 1.7400 / 1.7500 | 1.7400 " in text
+    assert "| +1.2% (within) | no | — |" in text
+    assert "| +4.7% (outside) | — (1 of 3 seeds) | muon (1.6500) |" in text
+    assert "Dense's median final: 1.7200 over seeds 0, 1, 2." in text
