@@ -6,12 +6,13 @@ from experiments.studies import lm_progress
 
 
 def _run(method, seed, loss, n=2):
-    return {"n": n, "method": method, "seed": seed,
+    return {"n": n, "method": method, "seed": seed, "process_wall_s": 450.0,
             "curve": [{"eval_loss": 9.0}, {"eval_loss": loss}]}  # fmt: skip
 
 
 RESULTS = {
     "steps": 2000,
+    "probes": [],
     "runs": [
         *[_run("dense", s, x) for s, x in enumerate((1.74, 1.70, 1.72))],
         *[_run("bf16", s, x) for s, x in enumerate((1.73, 1.72, 1.71))],
@@ -35,7 +36,7 @@ def test_rows_judge_against_dense_median_only_with_three_seeds():
     assert not rows["muloco"]["within_band"] and "headline_quality" not in rows["muloco"]
     assert rows["muloco"]["counterpart_median"] == 1.65
     # fewer than 3 dense seeds: nothing judged
-    two = {"steps": 2000, "runs": RESULTS["runs"][1:]}
+    two = {**RESULTS, "runs": RESULTS["runs"][1:]}
     assert all("worse_by" not in r for r in lm_progress.rows(two))
 
 
@@ -45,3 +46,4 @@ def test_report_cells():
     assert "| +1.2% (within) | no | — |" in text
     assert "| +4.7% (outside) | — (1 of 3 seeds) | muon (1.6500) |" in text
     assert "Dense's median final: 1.7200 over seeds 0, 1, 2." in text
+    assert "Running time so far: 1.5 h," in text  # 12 runs (one of 4 processes) x 450 s

@@ -22,7 +22,7 @@ import statistics
 
 from experiments.studies import verdict
 from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER
-from experiments.studies.report import ngram_line
+from experiments.studies.report import ngram_line, running_time
 
 
 def finals(results: dict, n: int = 2) -> dict[str, dict[int, float]]:
@@ -107,4 +107,7 @@ def report(results: dict, n: int = 2) -> str:
     ngram = ngram_line(results)
     if ngram:
         lines += ["", ngram]
+    rt = running_time(results)
+    lines += ["", f"Running time so far: {rt['total_h']:.1f} h, the sum of every launched run's, "
+              "probe's and validation run's wall clock in the JSON."]  # fmt: skip
     return "\n".join(lines) + "\n"
