@@ -235,5 +235,9 @@ def test_ratio_withheld_where_failures_cost_more_than_the_band():
     assert a["ratio"] == pytest.approx(0.75) and a["loss_cost"] == pytest.approx(0.019)
     assert b["ratio"] is None and b["measured_ratio"] == pytest.approx(0.9)
     table = goodput_report.report(results)
-    assert "| 75.0% |" in table
+    assert "| 75.0% |" in table and "‡" not in table  # no "cores" in this config
     assert "— (90.0%, but ends 2.1% worse than clean)" in table and "| 90.0% |" not in table
+    # as many replicas as cores: the rows are marked, and the note says why
+    table = goodput_report.report({**results, "config": {**results["config"], "cores": 2}})
+    assert table.count("| 2 ‡ |") == 2
+    assert "‡ As many replicas as the machine has cores (2)" in table
