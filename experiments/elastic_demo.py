@@ -19,7 +19,10 @@ The launcher (:mod:`experiments.elastic_launch`) holds torchft's lighthouse
 (in process; ``torchft_lighthouse`` is the same server as a command) and starts
 each replica as its own JAX program (``--role=replica``): a tanh MLP regressing
 a fixed random teacher, ``--inner_steps`` AdamW steps per round in one jitted ``lax.scan`` (each
-replica draws its own batches), then :meth:`jaxcomm.ElasticDiLoCo.sync`.
+replica draws its own batches), then the outer round:
+:meth:`jaxcomm.ElasticDiLoCo.start`, ``--delay`` more inner steps while the
+all-reduce travels (Streaming DiLoCo's overlap; ``--mix`` its alpha), and
+:meth:`~jaxcomm.ElasticDiLoCo.finish`.
 A replica stops once ``--rounds`` rounds are committed and its last round
 had every expected replica in it (the survivors go on until a restarted
 replica is back). Each incarnation appends one JSON line per sync to
@@ -31,6 +34,7 @@ launcher prints a table and writes ``OUT/summary.json``. Needs ``pip install "ja
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -55,6 +59,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6, help="outer rounds to commit")
     p.add_argument("--inner_steps", type=int, default=10, help="inner steps per round (H)")
     p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo fragments")
+    p.add_argument(
+        "--delay",
+        type=int,
+        default=0,
+        help="inner steps beside each round's all-reduce (start ... finish)",
+    )
+    p.add_argument("--mix", type=float, default=0.0, help="Streaming DiLoCo's alpha")
     p.add_argument(
         "--kill",
         default="",
@@ -103,8 +114,8 @@ def _workload(args: argparse.Namespace) -> tuple:
         out = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
         return jnp.mean((out[:, 0] - y) ** 2)
 
-    @jax.jit
-    def inner_steps(p, s, start):
+    @functools.partial(jax.jit, static_argnums=3)
+    def inner_steps(p, s, start, steps=h):
         def body(carry, t):
             p, s = carry
             x = jax.random.normal(jax.random.fold_in(data_key, start + t), (batch, d_in))
@@ -112,7 +123,7 @@ def _workload(args: argparse.Namespace) -> tuple:
             u, s = inner.update(g, s, p)
             return (optax.apply_updates(p, u), s), loss
 
-        (p, s), losses = jax.lax.scan(body, (p, s), jnp.arange(h))
+        (p, s), losses = jax.lax.scan(body, (p, s), jnp.arange(steps))
         return p, s, losses[-1]
 
     return params, inner, inner_steps
@@ -143,7 +154,9 @@ def replica(args: argparse.Namespace) -> None:
     h = args.inner_steps
     params, inner, inner_steps = _workload(args)
     state = inner.init(params)
-    inner_steps(params, state, 0)  # compiled before joining: a joiner is not a straggler
+    d = args.delay
+    for n in {h - d, d} - {0}:  # compiled before joining: a joiner is not a straggler
+        inner_steps(params, state, 0, n)
     manager = elastic.gloo_manager(
         f"replica_{args.replica}",
         args.lighthouse,
@@ -157,7 +170,8 @@ def replica(args: argparse.Namespace) -> None:
         wait_ready(out, args.replicas)
     if args.die_at >= 0 and args.kill_in == "allreduce":
         _die_in_allreduce(manager, args)
-    loop = jaxcomm.ElasticDiLoCo(manager, params, state, fragments=args.fragments)
+    loop = jaxcomm.ElasticDiLoCo(manager, params, state, fragments=args.fragments,
+                                 mix=args.mix, delay=d)  # fmt: skip
     log = open(out / f"replica_{args.replica}.jsonl", "a")  # noqa: SIM115
 
     def record(committed, anchor_before, loss):
@@ -181,14 +195,17 @@ def replica(args: argparse.Namespace) -> None:
     record(True, anchor, None)
     while loop.rounds < args.rounds or loop.participants < args.finish_with:
         t0 = time.monotonic()
-        params, state, loss = inner_steps(params, state, loop.inner_steps)
+        params, state, loss = inner_steps(params, state, loop.inner_steps, h - d)
         loss = float(loss)
         time.sleep(max(0.0, args.round_s - (time.monotonic() - t0)))  # a round's compute
         everyone = loop.participants == args.replicas  # in the last sync
         if args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
             os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
         anchor = loop.anchor
-        params, state, committed = loop.sync(params, state, steps=h)
+        params, state = loop.start(params, state, steps=h - d)
+        if d:  # the all-reduce travels beside these steps
+            params, state, _ = inner_steps(params, state, loop.inner_steps, d)
+        params, state, committed = loop.finish(params, state, steps=d)
         record(committed, anchor, loss)
     final = {"final": True, "incarnation": args.incarnation, "rounds": loop.rounds,
              "inner_steps": loop.inner_steps, "params": sha256(loop.params),
@@ -227,7 +244,8 @@ def launch(args: argparse.Namespace) -> dict:
                     f"--rounds={args.rounds}", f"--inner_steps={args.inner_steps}",
                     f"--fragments={args.fragments}", f"--kill_in={args.kill_in}",
                     f"--replicas={args.replicas}", f"--deadline_s={args.deadline_s}",
-                    f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}"]  # fmt: skip
+                    f"--timeout_s={args.timeout_s}", f"--round_s={args.round_s}",
+                    f"--delay={args.delay}", f"--mix={args.mix}"]  # fmt: skip
 
         replicas = Replicas(command, args.replicas, env)
         due: dict[int, float] = {}  # replica -> when to restart it

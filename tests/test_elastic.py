@@ -327,15 +327,19 @@ def test_replica_killed_between_syncs_rejoins_and_heals(tmp_path, fragments):
 
 
 @pytest.mark.slow
-def test_replica_killed_in_allreduce_rolls_the_round_back(tmp_path):
+@pytest.mark.parametrize("overlap", [[], ["--delay=2", "--mix=0.5"]], ids=["sync", "overlap"])
+def test_replica_killed_in_allreduce_rolls_the_round_back(tmp_path, overlap):
     # fault injection: replica 2 joins the round's quorum, then SIGKILLs itself on entering
     # the outer all-reduce (it never sends). The survivors' all-reduce fails: that round is
     # rolled back to the anchor (not half-applied), the next commits without replica 2.
+    # With overlap the all-reduce is launched in start and fails in finish, 2 steps later.
     codes, reps = _demo(tmp_path, "--replicas=3", "--rounds=4", "--kill=2@2",
-                        "--kill_in=allreduce")  # fmt: skip
+                        "--kill_in=allreduce", *overlap)  # fmt: skip
     assert codes == {0: [0], 1: [0], 2: [-9]}
     assert reps[2]["final"] is None
-    assert reps[0]["final"]["params"] == reps[1]["final"]["params"]
+    # the survivors share the anchor; with mix > 0 their params hold their own local part
+    assert reps[0]["final"]["anchor"] == reps[1]["final"]["anchor"]
+    assert (reps[0]["final"]["params"] == reps[1]["final"]["params"]) == (not overlap)
     lost = {}
     for i in (0, 1):
         syncs = reps[i]["syncs"]
