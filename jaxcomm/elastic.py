@@ -121,10 +121,11 @@ class ElasticDiLoCo:
       mix: Streaming DiLoCo's ``alpha`` in ``[0, 1]``: a committed fragment
         becomes ``(1 - mix) * anchor + mix * local`` (0: the anchor, DiLoCo).
       delay: Streaming DiLoCo's ``tau``: the inner steps the caller takes
-        between :meth:`start` and :meth:`finish`. Peers heal a replica inside
-        their :meth:`start`, that many steps before their round ends: a
-        replica that heals in :meth:`join` takes their position after those
-        steps (it skips their batches), so that its rounds line up with theirs.
+        between :meth:`start` and :meth:`finish` (``finish(steps=delay)``).
+        A peer serving a heal from inside its :meth:`start` is that many
+        steps before its round's end: a replica that heals in :meth:`join`
+        takes the peer's position after them (it skips those batches), so
+        that its rounds line up with the peers'.
       key: the name this state is registered under with the manager.
 
     Example:
@@ -171,6 +172,8 @@ class ElasticDiLoCo:
         self._mix = float(mix)
         self._delay = checks.check_int(delay, "delay", 0)
         self._pending = None  # a started round: (fragment, members, buffer, work)
+        self._ahead = 0  # steps this replica takes before its round ends (what a healer skips)
+        self._healed_ahead = 0  # the peer's, when this replica healed
         for i, x in enumerate(jax.tree.leaves(params)):
             if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 raise TypeError(f"params: leaf {i} has dtype {jnp.asarray(x).dtype}; "
@@ -187,6 +190,7 @@ class ElasticDiLoCo:
         self._outer_state = tuple(outer.init([f32[j] for j in m]) for m in self._members)
         self.inner_steps = 0  # inner steps taken on this trajectory (a data position)
         self.healed = False  # whether the last sync loaded a peer's state
+        self.committed = False  # whether the last round committed
         self.participants = 0  # replicas in the last sync's quorum
         self._delta = jax.jit(_delta)
         self._blend = jax.jit(_blend, static_argnums=2)
@@ -223,8 +227,8 @@ class ElasticDiLoCo:
           ``(params, inner_state)`` to start the inner steps from.
         """
         params, inner_state, _ = self.sync(self._params, self._inner_state, steps=0)
-        if self.healed:  # the peers go on from delay steps further on (see ``delay``)
-            self.inner_steps += self._delay
+        if self.healed:  # the peer served it from before its delay steps (see ``delay``)
+            self.inner_steps += self._healed_ahead
         return params, inner_state
 
     def sync(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any, bool]:
@@ -241,8 +245,8 @@ class ElasticDiLoCo:
           ``mix``; the old anchor's if rolled back), the inner state (a peer's
           if this replica healed), and whether the round committed.
         """
-        params, inner_state = self.start(params, inner_state, steps=steps)
-        return self.finish(params, inner_state, steps=0)
+        params, inner_state = self._start(params, inner_state, steps, ahead=0)
+        return self._finish(params, inner_state, 0)
 
     def start(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any]:
         """The first half of a round: quorum, pseudo-gradient, all-reduce launched, not waited.
@@ -255,6 +259,9 @@ class ElasticDiLoCo:
           ``(params, inner_state)`` to take the overlapped inner steps from: the
           same ones, or a peer's if this replica healed at the quorum.
         """
+        return self._start(params, inner_state, steps, ahead=self._delay)
+
+    def _start(self, params: Any, inner_state: Any, steps: int, ahead: int) -> tuple[Any, Any]:
         from torch.distributed import ReduceOp
 
         if self._pending is not None:
@@ -262,7 +269,7 @@ class ElasticDiLoCo:
         self._check_structure(params)
         self.inner_steps += checks.check_int(steps, "steps", 0)
         # what a healing peer is sent, if the quorum asks for it
-        self._params, self._inner_state = params, inner_state
+        self._params, self._inner_state, self._ahead = params, inner_state, ahead
         self.healed = False
         self._manager.start_quorum()  # may call load_state_dict (sets self.healed)
         self.participants = self._manager.num_participants()
@@ -286,12 +293,17 @@ class ElasticDiLoCo:
         Returns:
           ``(params, inner_state, committed)`` as :meth:`sync`.
         """
+        if checks.check_int(steps, "steps", 0) != self._delay:
+            raise ValueError(f"steps: {steps} inner steps since start, but delay={self._delay}")
+        return self._finish(params, inner_state, steps)
+
+    def _finish(self, params: Any, inner_state: Any, steps: int) -> tuple[Any, Any, bool]:
         if self._pending is None:
             raise RuntimeError("finish: no round was started (call start first)")
         self._check_structure(params)
         f, members, buf, work = self._pending
         self._pending = None
-        self.inner_steps += checks.check_int(steps, "steps", 0)
+        self.inner_steps += steps
         work.wait()
         committed = self._manager.should_commit()
         leaves, anchor = jax.tree.leaves(params), jax.tree.leaves(self._anchor)
@@ -306,7 +318,7 @@ class ElasticDiLoCo:
         # rolled back, the fragment goes on from the old anchor (never half-applied)
         treedef = jax.tree.structure(params)
         self._params = jax.tree.unflatten(treedef, _put(leaves, members, a_f))
-        self._inner_state = inner_state
+        self._inner_state, self.committed = inner_state, committed
         return self._params, self._inner_state, committed
 
     def _check_structure(self, params: Any) -> None:
@@ -324,6 +336,7 @@ class ElasticDiLoCo:
             "anchor": tree_state_dict(self._anchor),
             "outer_state": tree_state_dict(self._outer_state),
             "inner_steps": int(self.inner_steps),
+            "ahead": int(self._ahead),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -337,6 +350,7 @@ class ElasticDiLoCo:
             self._outer_state, state["outer_state"], "outer_state"
         )
         self.inner_steps = int(state["inner_steps"])
+        self._healed_ahead = int(state["ahead"])
         self.healed = True
 
 

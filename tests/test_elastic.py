@@ -158,7 +158,7 @@ def test_streaming_overlap_is_the_papers_rule(lighthouse):
     members = [[names[j] for j, f in enumerate(owner) if f == g] for g in range(2)]
 
     def body(i, manager):
-        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, (), fragments=2, mix=0.25)
+        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, (), fragments=2, mix=0.25, delay=1)
         params, _ = loop.join()
         seen = []
         for r in range(3):
@@ -192,13 +192,15 @@ def test_overlap_refuses_out_of_order_calls(lighthouse):
     def body(i, manager):
         with pytest.raises(ValueError, match=r"mix: 1.5 is outside \[0, 1\]"):
             jaxcomm.ElasticDiLoCo(manager, PARAMS, (), mix=1.5)
-        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, ())
+        loop = jaxcomm.ElasticDiLoCo(manager, PARAMS, (), delay=2)
         with pytest.raises(RuntimeError, match="finish: no round was started"):
-            loop.finish(PARAMS, (), steps=0)
+            loop.finish(PARAMS, (), steps=2)
         loop.start(PARAMS, (), steps=0)
         with pytest.raises(RuntimeError, match="start: the round started before"):
             loop.start(PARAMS, (), steps=0)
-        assert loop.finish(PARAMS, (), steps=0)[2]
+        with pytest.raises(ValueError, match=r"steps: 1 inner steps since start, but delay=2"):
+            loop.finish(PARAMS, (), steps=1)
+        assert loop.finish(PARAMS, (), steps=2)[2] and loop.committed  # still pending: it ran
 
     _replicas(lighthouse(1), 1, body)
 
@@ -303,17 +305,23 @@ def _demo(tmp_path, *flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fragments", [1, 2], ids=["diloco", "streaming"])
-def test_replica_killed_between_syncs_rejoins_and_heals(tmp_path, fragments):
+@pytest.mark.parametrize(
+    "flags",
+    [["--fragments=1"], ["--fragments=2"], ["--fragments=2", "--delay=2", "--mix=0.5"]],
+    ids=["diloco", "streaming", "streaming_overlap"],
+)
+def test_replica_killed_between_syncs_rejoins_and_heals(tmp_path, flags):
     # replica 2 SIGKILLs itself after its inner steps (between syncs) and is restarted:
     # the others never stop, every one of their syncs commits, the restarted one heals at
     # its join, and the three end bit-equal (with fragments, their anchors: the fragment
-    # not synced last stays each replica's own)
+    # not synced last stays each replica's own) at the same data position (with overlap the
+    # peer serves the heal 2 steps before its round's end: the joiner skips those steps)
     codes, reps = _demo(tmp_path, "--replicas=3", "--rounds=4", "--kill=2@2",
-                        "--restart_after=0.5", f"--fragments={fragments}")  # fmt: skip
+                        "--restart_after=0.5", *flags)  # fmt: skip
     assert codes == {0: [0], 1: [0], 2: [-9, 0]}
     finals = {i: r["final"] for i, r in reps.items()}
-    for k in ["rounds", "anchor"] + (["params"] if fragments == 1 else []):
+    for k in ["rounds", "anchor", "inner_steps"] + (["params"] if flags == ["--fragments=1"]
+                                                     else []):  # fmt: skip
         assert len({f[k] for f in finals.values()}) == 1, k
     for i in (0, 1):  # survivors: one incarnation, every sync committed
         assert {s["incarnation"] for s in reps[i]["syncs"]} == {0}
