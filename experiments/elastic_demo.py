@@ -88,7 +88,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lighthouse", default="")
     p.add_argument("--die_at", type=int, default=-1)
     p.add_argument("--finish_with", type=int, default=1)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.delay < args.inner_steps:
+        p.error(f"--delay: {args.delay} must be in [0, --inner_steps={args.inner_steps})")
+    return args
 
 
 def _workload(args: argparse.Namespace) -> tuple:

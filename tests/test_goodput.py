@@ -155,7 +155,7 @@ def test_streaming_with_overlap_survives_a_kill(tmp_path):
     out = goodput.run(args, "jaxcomm", "streaming", 3, failures=True)
     assert out["kills"] == 1 and sorted(out["finished"]) == [0, 1, 2]
     assert out["anchors_agree"] and not out["params_agree"]
-    assert out["position"] == 400 and out["useful_steps"] < 3 * 400
+    assert set(out["positions"].values()) == {400} and out["useful_steps"] < 3 * 400
     run_dir = str(tmp_path / "jaxcomm_streaming_n3_failures")
     assert out["useful_steps_by_replica"] == _closed_form(run_dir, out, 5)  # H / F steps a round
 

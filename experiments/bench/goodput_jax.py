@@ -114,7 +114,7 @@ def replica(args) -> None:
 
     t = time.perf_counter()
     params, state = loop.join()  # a restarted replica heals here
-    log_sync(0, loop.rounds > 0, 0, time.perf_counter() - t, None)  # committed: a step on
+    log_sync(0, loop.committed, 0, time.perf_counter() - t, None)
     while loop.inner_steps < config.num_train_steps:
         before = loop.rounds
         params, state, loss = steps(run, params, state, per_sync - delay)

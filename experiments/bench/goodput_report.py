@@ -96,6 +96,7 @@ def account(run_dir: str, n: int, events: list[dict], t_start: float) -> dict:
         "anchors_agree": _agree([f.get("anchor") for f in finals.values()]),
         "final_params": {i: f["params"] for i, f in finals.items()},
         "position": first["position"],
+        "positions": {i: f["position"] for i, f in finals.items()},
         "eval_loss": first["eval_loss"],
         "eval_loss_se": first["eval_loss_se"],
     }
@@ -157,7 +158,10 @@ def _ratio_cell(r: dict) -> str:
         return "—"
     if r["ratio"] is not None:
         return f"{r['ratio']:.1%}"
-    return f"— ({r['measured_ratio']:.1%}, but ends {r['loss_cost']:.1%} worse than clean)"
+    from experiments.studies import verdict
+
+    cost = verdict.worse_text(r["loss_cost"])
+    return f"— ({r['measured_ratio']:.1%}, but ends {cost} worse than clean)"
 
 
 def report(results: dict) -> str:

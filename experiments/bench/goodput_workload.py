@@ -70,7 +70,10 @@ def overlap(c: ml_collections.ConfigDict, streaming: str) -> tuple[int, float]:
         raise ValueError(f"--streaming: one of {STREAMING}, got {streaming!r}")
     if streaming == "no_overlap":
         return 0, 0.0
-    return int(c.wrapper.get("delay", 0)), float(c.wrapper.get("mix", 0.0))
+    delay, (every, fragments) = int(c.wrapper.get("delay", 0)), sync_period(c)
+    if delay >= every // fragments:  # torchft's rule: a fragment is synced before it is sent again
+        raise ValueError(f"delay: {delay} must be below H / fragments = {every // fragments}")
+    return delay, float(c.wrapper.get("mix", 0.0))
 
 
 def dataset(c: ml_collections.ConfigDict, replicas: int) -> data_lib.Dataset:
