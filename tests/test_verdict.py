@@ -442,3 +442,10 @@ def test_validate_best_names_the_headline_method_or_none():
     fast[1]["curve"][-1]["eval_loss"] = 2.05 * 1.011  # one seed out of the band: no headline
     assert lm.best_method(study, 2, "10mbit") is None
     assert lm.best_method(study, 4, "10mbit") is None  # no runs at 4 processes
+
+
+def test_worse_text_adds_a_digit_where_one_would_round_onto_the_band():
+    assert verdict.worse_text(0.0204) == "2.04%"  # outside the 2% band, not "2.0%"
+    assert verdict.worse_text(0.0196) == "1.96%"  # inside it, not "2.0%" either
+    assert verdict.worse_text(0.034) == "3.4%" and verdict.worse_text(0.0116) == "1.2%"
+    assert verdict.worse_text(-0.025) == "-2.5%"

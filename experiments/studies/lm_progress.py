@@ -49,8 +49,7 @@ def rows(results: dict, n: int = 2) -> list[dict]:
             q = verdict.quality(vals, dense)
             row.update(worse_by=q["worse_by"], within_band=q["within_band"])
             if len(vals) >= verdict.MIN_SEEDS:
-                ref = statistics.median(dense)
-                row["headline_quality"] = all(v <= ref * (1 + verdict.HEADLINE_BAND) for v in vals)
+                row["headline_quality"] = verdict.all_within(vals, statistics.median(dense))
         twin = by.get(row["counterpart"] or "")
         if twin:
             row["counterpart_median"] = statistics.median(twin.values())
@@ -61,8 +60,9 @@ def rows(results: dict, n: int = 2) -> list[dict]:
 def _band_cell(r: dict) -> str:
     if "worse_by" not in r:
         return "—"
-    verdict_ = "within" if r["within_band"] else "outside"
-    return f"{r['worse_by']:+.1%} ({verdict_})"
+    where = "within" if r["within_band"] else "outside"
+    sign = "+" if r["worse_by"] >= 0 else ""
+    return f"{sign}{verdict.worse_text(r['worse_by'])} ({where})"
 
 
 def _headline_cell(r: dict) -> str:

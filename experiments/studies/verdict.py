@@ -140,6 +140,19 @@ def _within(value: float, ref: float, band: float, lower_is_better: bool) -> boo
     return value <= ref * (1 + band) if lower_is_better else value >= ref - band
 
 
+def all_within(finals: Sequence[float], ref: float, band: float = HEADLINE_BAND,
+               lower_is_better: bool = True) -> bool:  # fmt: skip
+    """Whether every final is within ``band`` of ``ref`` (the headline rule per seed)."""
+    return all(_within(f, ref, band, lower_is_better) for f in finals)
+
+
+def worse_text(worse_by: float, band: float = QUALITY_BAND) -> str:
+    """``worse_by`` as a percentage, one more digit where one digit would round onto ``band``
+    (a 2.04% cost outside a 2% band reads 2.04%, not 2.0%)."""
+    text = f"{worse_by:.1%}"
+    return f"{worse_by:.2%}" if abs(float(text[:-1])) == round(100 * band, 1) else text
+
+
 def quality(finals: Sequence[float], dense_finals: Sequence[float], lower_is_better=True) -> dict:
     """Median and range of final quality, and whether the median is within the band of dense's.
 
@@ -170,10 +183,7 @@ def judge(dense: dict, method: dict, q: dict) -> dict:
     if q["within_band"]:
         return {"speedup": ratio, "note": None}
     pace = "" if ratio is None else ("faster, but " if ratio > 1 else "slower, and ")
-    worse = f"{q['worse_by']:.1%}"
-    if float(worse[:-1]) <= 100 * QUALITY_BAND:  # rounded onto the band: one more digit
-        worse = f"{q['worse_by']:.2%}"
-    return {"speedup": None, "note": f"{pace}ends worse by {worse}"}
+    return {"speedup": None, "note": f"{pace}ends worse by {worse_text(q['worse_by'])}"}
 
 
 def headline(
@@ -198,7 +208,7 @@ def headline(
     best = None
     for name, (cell, finals) in methods.items():
         ratio = speedup(dense, cell)
-        if ratio is None or not all(_within(f, ref, band, lower_is_better) for f in finals):
+        if ratio is None or not all_within(finals, ref, band, lower_is_better):
             continue
         if best is None or ratio > best["speedup"]:
             best = {
