@@ -83,8 +83,8 @@ import optax
 
 from jaxcomm import checks
 from jaxcomm.ft_manager import (
-    _import_torch,
     gloo_manager,
+    import_torch,
     load_tree_state_dict,
     route_address,
     tree_state_dict,
@@ -159,7 +159,7 @@ class ElasticDiLoCo:
         delay: int = 0,
         key: str = "jaxcomm_diloco",
     ) -> None:
-        self._torch = _import_torch()
+        self._torch = import_torch()
         if getattr(manager, "_use_async_quorum", True):
             raise ValueError(
                 "manager: DiLoCo needs a synchronous quorum (torchft Manager with "

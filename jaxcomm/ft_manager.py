@@ -26,7 +26,8 @@ _HINT = 'jaxcomm.elastic needs torch and torchft: pip install "jaxcomm[ft]"'
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _import_torch():
+def import_torch():
+    """``torch`` (after checking that torchft imports too); an ImportError naming the extra."""
     try:
         import torch
         import torchft  # noqa: F401
@@ -77,7 +78,7 @@ def gloo_manager(
     Returns:
       A ``torchft.manager.Manager``; give it to :class:`ElasticDiLoCo`.
     """
-    _import_torch()
+    import_torch()
     from torch.distributed import TCPStore
     from torchft.manager import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -132,7 +133,7 @@ def tree_state_dict(tree: Any) -> dict:
     What torchft sends a healing peer; :func:`load_tree_state_dict` restores it
     bit-exactly (bfloat16, integer and bool leaves included).
     """
-    torch = _import_torch()
+    torch = import_torch()
     leaves = jax.tree.leaves(tree)
     arrays = [np.asarray(x) for x in leaves]
     for i, a in enumerate(arrays):

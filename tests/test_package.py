@@ -15,7 +15,7 @@ DIST = {"jax": "jax", "optax": "optax", "numpy": "numpy", "chex": "chex"}
 
 
 # modules behind an optional extra, imported only when used: module -> extra
-OPTIONAL = {"flax.py": "flax", "elastic.py": "ft"}
+OPTIONAL = {"flax.py": "flax", "elastic.py": "ft", "ft_manager.py": "ft"}
 
 
 def third_party_imports(files=None) -> set[str]:
@@ -59,8 +59,8 @@ def test_jaxcomm_flax_is_optional_and_imports_only_flax_beyond_the_core():
 
 
 def test_jaxcomm_elastic_imports_torch_and_torchft_only_when_used():
-    (path,) = [p for p in (ROOT / "jaxcomm").rglob("elastic.py")]
-    assert third_party_imports([path]) - {"jax", "optax", "numpy"} == {"torch", "torchft"}
+    paths = [ROOT / "jaxcomm" / "elastic.py", ROOT / "jaxcomm" / "ft_manager.py"]
+    assert third_party_imports(paths) - {"jax", "optax", "numpy"} == {"torch", "torchft"}
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     ft = extras["optional-dependencies"]["ft"]
     assert any(d.startswith("torchft") for d in ft) and any(d.startswith("torch>") for d in ft)
