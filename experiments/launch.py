@@ -160,6 +160,14 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
+def culprit(codes: list[int | None]) -> tuple[int, int] | None:
+    """The failed process to report, ``(index, status)``, or None: a process killed by a
+    signal before one that exited non-zero (a peer that saw it die exits 1, and may be
+    seen in the same poll), then the lowest index."""
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    return min(failed, key=lambda ic: (ic[1] > 0, ic[0])) if failed else None
+
+
 def exit_code(rc: int) -> int:
     """A process's status as an exit code: negative (killed by signal s) -> 128 + s."""
     return 128 - rc if rc < 0 else rc
@@ -204,9 +212,9 @@ def run(
             threads.append(t)
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            failed = culprit(codes)
             if failed:
-                i, c = failed[0]
+                i, c = failed
                 what = f"signal {-c}" if c < 0 else f"exit status {c}"
                 say(f"p{i} died ({what}); stopping the other processes")
                 _stop(procs, grace_s)

@@ -379,3 +379,13 @@ def test_an_unwritable_workdir_is_reported_before_data_is_loaded(monkeypatch, tm
     _no_compile(monkeypatch)
     with pytest.raises(ValueError, match=r"--workdir .*a_file/run.*: cannot write there"):
         train.train_and_evaluate(tiny(), str(blocker / "run"))
+
+
+def test_launcher_reports_the_killed_process_before_a_peer_that_exited_for_it():
+    # a peer that saw its neighbour die exits 1, and one poll may see both: the launcher
+    # reports the signal (128 + 9), not the peer's status, whatever their order
+    from experiments import launch
+
+    assert launch.culprit([1, -9]) == (1, -9) and launch.culprit([-9, 1]) == (0, -9)
+    assert launch.culprit([None, 1, 2]) == (1, 1) and launch.culprit([0, None]) is None
+    assert launch.exit_code(launch.culprit([1, -9])[1]) == 128 + 9
