@@ -193,23 +193,26 @@ def replica(args: argparse.Namespace) -> None:
         log.write(json.dumps(line) + "\n")
         log.flush()
 
+    everyone, begun = False, 0  # all replicas in the last sync; the round's first position
+
+    def take(p, s, position, n):  # n inner steps, padded to their share of a round's compute
+        t0 = time.monotonic()
+        p, s, loss = inner_steps(p, s, position, n)
+        loss = float(loss)
+        time.sleep(max(0.0, args.round_s * n / h - (time.monotonic() - t0)))
+        first = position == begun  # the steps before start (not the ones beside the all-reduce)
+        if first and args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
+            os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
+        return p, s, loss
+
     anchor = loop.anchor
     params, state = loop.join()  # a restarted replica heals here
     record(True, anchor, None)
     while loop.rounds < args.rounds or loop.participants < args.finish_with:
-        t0 = time.monotonic()
-        params, state, loss = inner_steps(params, state, loop.inner_steps, h - d)
-        loss = float(loss)
-        time.sleep(max(0.0, args.round_s - (time.monotonic() - t0)))  # a round's compute
-        everyone = loop.participants == args.replicas  # in the last sync
-        if args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
-            os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
+        everyone, begun = loop.participants == args.replicas, loop.inner_steps
         anchor = loop.anchor
-        params, state = loop.start(params, state, steps=h - d)
-        if d:  # the all-reduce travels beside these steps
-            params, state, _ = inner_steps(params, state, loop.inner_steps, d)
-        params, state, committed = loop.finish(params, state, steps=d)
-        record(committed, anchor, loss)
+        params, state, committed, losses = loop.round(params, state, take, steps=h)
+        record(committed, anchor, losses[0])
     final = {"final": True, "incarnation": args.incarnation, "rounds": loop.rounds,
              "inner_steps": loop.inner_steps, "params": sha256(loop.params),
              "anchor": sha256(loop.anchor)}  # fmt: skip

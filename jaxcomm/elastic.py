@@ -74,6 +74,8 @@ References:
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -142,6 +144,10 @@ class ElasticDiLoCo:
           params, state = inner_steps(params, state, tau)
           params, state, committed = loop.finish(params, state, steps=tau)
 
+      or the same in one call, ``inner(params, state, position, n)`` taking
+      ``n`` steps: ``params, state, committed, _ = loop.round(params, state,
+      inner, steps=H // F)``.
+
     References:
       Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo, 2025,
       arXiv:2501.18512; torchft (github.com/pytorch/torchft).
@@ -192,6 +198,7 @@ class ElasticDiLoCo:
         self.healed = False  # whether the last sync loaded a peer's state
         self.committed = False  # whether the last round committed
         self.participants = 0  # replicas in the last sync's quorum
+        self.wait_s = 0.0  # seconds the last :meth:`round` spent in start and finish
         self._delta = jax.jit(_delta)
         self._blend = jax.jit(_blend, static_argnums=2)
         self._apply = jax.jit(lambda a, s, d: _outer_step(outer, a, s, d))
@@ -247,6 +254,40 @@ class ElasticDiLoCo:
         """
         params, inner_state = self._start(params, inner_state, steps, ahead=0)
         return self._finish(params, inner_state, 0)
+
+    def round(
+        self, params: Any, inner_state: Any, inner: Callable, *, steps: int
+    ) -> tuple[Any, Any, bool, list]:
+        """One whole round: inner steps, :meth:`start`, ``delay`` steps beside it, :meth:`finish`.
+
+        Args:
+          params, inner_state: where the round's inner steps start.
+          inner: ``inner(params, inner_state, position, n) -> (params, inner_state, aux)``
+            takes ``n`` inner steps from data position ``position`` (its first
+            batch is the one the trajectory's step ``position`` draws).
+          steps: the round's inner steps in all (``H / fragments``), more than ``delay``.
+
+        Returns:
+          ``(params, inner_state, committed, auxes)``: as :meth:`sync`, and the
+          ``aux`` of each ``inner`` call in order (one, or two with a delay).
+          ``wait_s`` then holds the seconds spent inside :meth:`start` and
+          :meth:`finish`: the exchange's time not hidden behind the steps.
+        """
+        if checks.check_int(steps, "steps", 1) <= self._delay:
+            raise ValueError(f"steps: {steps} in a round, but delay={self._delay} of them "
+                             "travel beside the all-reduce (need steps > delay)")  # fmt: skip
+        params, inner_state, aux = inner(params, inner_state, self.inner_steps, steps - self._delay)
+        auxes = [aux]
+        t = time.perf_counter()
+        params, inner_state = self.start(params, inner_state, steps=steps - self._delay)
+        self.wait_s = time.perf_counter() - t
+        if self._delay:  # the all-reduce travels beside these steps
+            params, inner_state, aux = inner(params, inner_state, self.inner_steps, self._delay)
+            auxes.append(aux)
+        t = time.perf_counter()
+        params, inner_state, committed = self.finish(params, inner_state, steps=self._delay)
+        self.wait_s += time.perf_counter() - t
+        return params, inner_state, committed, auxes
 
     def start(self, params: Any, inner_state: Any, *, steps: int) -> tuple[Any, Any]:
         """The first half of a round: quorum, pseudo-gradient, all-reduce launched, not waited.

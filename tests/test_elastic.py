@@ -148,11 +148,13 @@ def test_streaming_fragments_take_turns(lighthouse):
                 np.testing.assert_array_equal(after[k], local[k])
 
 
-def test_streaming_overlap_is_the_papers_rule(lighthouse):
+@pytest.mark.parametrize("via", ["start_finish", "round"])
+def test_streaming_overlap_is_the_papers_rule(lighthouse, via):
     # Streaming DiLoCo with overlap (tau inner steps while the fragment travels, alpha 0.25,
     # not 0.5, so that swapped roles show): the pseudo-gradient is taken at start, the outer
     # step applied at finish, and the fragment becomes (1 - alpha) * new anchor + alpha *
-    # the params after the tau steps
+    # the params after the tau steps; ``round`` makes the same calls (3 steps from the
+    # round's first position, start, 1 step from the position after them, finish)
     owner = fragment_of(PARAMS, 2)
     names = sorted(PARAMS)
     members = [[names[j] for j, f in enumerate(owner) if f == g] for g in range(2)]
@@ -162,10 +164,21 @@ def test_streaming_overlap_is_the_papers_rule(lighthouse):
         params, _ = loop.join()
         seen = []
         for r in range(3):
-            at_start = jax.tree.map(lambda p, d: p + d, params, _drift(i, r))
-            params, _ = loop.start(at_start, (), steps=3)
-            at_finish = jax.tree.map(lambda p, d: p + d, params, _drift(i, 10 + r))
-            params, _, committed = loop.finish(at_finish, (), steps=1)
+            if via == "round":
+                calls = []
+
+                def inner(p, s, position, n, r=r, calls=calls):
+                    calls.append((position, n))
+                    p = jax.tree.map(lambda p, d: p + d, p, _drift(i, r + 10 * (n == 1)))
+                    return p, s, p
+
+                params, _, committed, (at_start, at_finish) = loop.round(params, (), inner, steps=4)
+                assert calls == [(4 * r, 3), (4 * r + 3, 1)]
+            else:
+                at_start = jax.tree.map(lambda p, d: p + d, params, _drift(i, r))
+                params, _ = loop.start(at_start, (), steps=3)
+                at_finish = jax.tree.map(lambda p, d: p + d, params, _drift(i, 10 + r))
+                params, _, committed = loop.finish(at_finish, (), steps=1)
             assert committed
             seen.append(jax.tree.map(np.asarray, (at_start, at_finish, params)))
         return seen, loop.inner_steps
@@ -201,6 +214,8 @@ def test_overlap_refuses_out_of_order_calls(lighthouse):
         with pytest.raises(ValueError, match=r"steps: 1 inner steps since start, but delay=2"):
             loop.finish(PARAMS, (), steps=1)
         assert loop.finish(PARAMS, (), steps=2)[2] and loop.committed  # still pending: it ran
+        with pytest.raises(ValueError, match=r"steps: 2 in a round, but delay=2"):
+            loop.round(PARAMS, (), lambda p, s, position, n: (p, s, None), steps=2)
 
     _replicas(lighthouse(1), 1, body)
 

@@ -101,9 +101,11 @@ def replica(args) -> None:
     loop = jaxcomm.ElasticDiLoCo(manager, params, state, outer=outer, fragments=fragments,
                                  mix=mix, delay=delay)  # fmt: skip
 
-    def steps(f, p, s, n):
+    by_length = {per_sync - delay: run, **({delay: tail} if delay else {})}
+
+    def take(p, s, position, n):
         t = time.perf_counter()
-        p, s, loss = f(p, s, loop.inner_steps)  # the data position: steps taken so far
+        p, s, loss = by_length[n](p, s, position)
         time.sleep(max(0.0, n * args.step_s - (time.perf_counter() - t)))
         return p, s, float(loss) * n
 
@@ -117,16 +119,8 @@ def replica(args) -> None:
     log_sync(0, loop.committed, 0, time.perf_counter() - t, None)
     while loop.inner_steps < config.num_train_steps:
         before = loop.rounds
-        params, state, loss = steps(run, params, state, per_sync - delay)
-        t = time.perf_counter()
-        params, state = loop.start(params, state, steps=per_sync - delay)
-        sync_s = time.perf_counter() - t
-        if tail is not None:  # the all-reduce travels beside these steps
-            params, state, more = steps(tail, params, state, delay)
-            loss += more
-        t = time.perf_counter()
-        params, state, committed = loop.finish(params, state, steps=delay)
-        log_sync(before, committed, per_sync, sync_s + time.perf_counter() - t, loss / per_sync)
+        params, state, committed, losses = loop.round(params, state, take, steps=per_sync)
+        log_sync(before, committed, per_sync, loop.wait_s, sum(losses) / per_sync)
     ev = train.make_eval(model, ds, config.eval_batch_size)(loop.params, {})
     log.final(position=loop.inner_steps, rounds=loop.rounds, params=sha256(loop.params),
               anchor=sha256(loop.anchor), eval_loss=ev["eval_loss"],

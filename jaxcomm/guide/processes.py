@@ -60,7 +60,9 @@ heals from a live peer (params, inner and outer optimizer state, anchor) and
 is bit-equal to them from then on. Streaming DiLoCo's overlap is `start`
 (quorum, pseudo-gradient, all-reduce launched) and `finish` (wait, commit,
 `mix` of the local fragment) with `delay` inner steps between, as torchft's
-`fragment_sync_delay` and `fragment_update_alpha`. JAX's own fault tolerance on CPU cannot
+`fragment_sync_delay` and `fragment_update_alpha`; `round` runs a whole round
+given the inner-steps function, and its `wait_s` is the exchange time the
+steps did not hide. JAX's own fault tolerance on CPU cannot
 heal a restarted process or survive losing process 0, hence torchft (its
 module docstring says more); `tests/test_elastic.py` tests both kinds of
 kill (a demo with a kill and a restart is in the `experiments` package).
