@@ -15,10 +15,15 @@ bit as a per-leaf collective would deliver it.
 * **psum** buckets hold one dtype each (summing bit-cast floats would be
   wrong): payloads are grouped by dtype, then packed back to back
   (:func:`pack`).
-* **all_gather** buckets mix dtypes: each payload is bit-cast to bytes
-  (``uint8``, exact sizes, no padding), the bytes packed, gathered, and
-  bit-cast back. 16-bit floats travel as their raw bytes, so XLA:CPU's
-  promotion of bf16 collectives to f32 does not apply to them.
+* **all_gather** (and all-to-all) buckets mix dtypes: each payload is
+  bit-cast to the widest unsigned word every payload of the bucket splits
+  into (``uint16`` for a cast's words, ``uint32`` for top-k's values and
+  indices, ``uint8`` beside a byte code; exact sizes, no padding), the words
+  packed, gathered, and bit-cast back. A payload of the word's width is
+  bit-cast for free; one in bytes would be reassembled byte by byte on
+  decode (a shift-and-reduce per payload on XLA:CPU). 16-bit floats travel as
+  their raw bits, so XLA:CPU's promotion of bf16 collectives to f32 does not
+  apply to them.
 * Buckets are exchanged one after another: each bucket's buffer waits for
   the previous bucket's result (a data dependency, see ``_after``), so XLA's
   all-reduce combiner cannot merge independent buckets back into one
@@ -381,23 +386,37 @@ def bucketed_psum_scatter(
     return out
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-    flat = x.reshape(-1)
+def _word_of(arrays: Sequence[jax.Array]) -> jnp.dtype:
+    """The widest unsigned word every array's elements split into (``uint8`` with a bool).
+
+    Item sizes are powers of two, so the smallest (at most 4 bytes) divides
+    every other: a bucket of 16-bit payloads moves ``uint16`` words, and each
+    payload is bit-cast to and from its own width (no byte shuffling on decode).
+    """
+    sizes = [1 if x.dtype == jnp.bool_ else jnp.dtype(x.dtype).itemsize for x in arrays]
+    return _WORDS[min(4, *sizes)]
+
+
+def _to_words(x: jax.Array, word: jnp.dtype, lead: tuple[int, ...] = ()) -> jax.Array:
+    """``x`` as ``lead + (words,)`` of ``word`` (its raw bits, in order)."""
+    flat = x.reshape(lead + (-1,))
     if flat.dtype == jnp.bool_:
-        return flat.astype(jnp.uint8)
-    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
+        flat = flat.astype(jnp.uint8)
+    if flat.dtype == word:
+        return flat
+    return lax.bitcast_convert_type(flat, word).reshape(lead + (-1,))
 
 
-def _from_bytes(b: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
-    """``(n, nbytes)`` uint8 -> ``(n, *shape)`` of ``dtype``."""
+def _from_words(w: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``(n, words)`` -> ``(n, *shape)`` of ``dtype`` (:func:`_to_words` undone)."""
     dtype = jnp.dtype(dtype)
-    n = b.shape[0]
+    n, size = w.shape[0], jnp.dtype(w.dtype).itemsize
     if dtype == jnp.bool_:
-        x = b != 0
-    elif dtype.itemsize == 1:
-        x = lax.bitcast_convert_type(b, dtype)
+        x = w != 0
+    elif dtype.itemsize == size:
+        x = lax.bitcast_convert_type(w, dtype)
     else:
-        x = lax.bitcast_convert_type(b.reshape(n, -1, dtype.itemsize), dtype)
+        x = lax.bitcast_convert_type(w.reshape(n, -1, dtype.itemsize // size), dtype)
     return x.reshape((n,) + tuple(shape))
 
 
@@ -420,22 +439,16 @@ def bucketed_all_to_all(
         if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = collectives.all_to_all(arrays[bucket[0]], axis_name)
             continue
-        rows = [_rows_to_bytes(arrays[i], n) for i in bucket]
+        word = _word_of([arrays[i] for i in bucket])
+        rows = [_to_words(arrays[i], word, (n,)) for i in bucket]
         moved = prev = collectives.all_to_all(pack(rows, axis_name, prev), axis_name)
         offset = 0
         for i in bucket:
-            piece = moved[:, offset : offset + sizes[i]]
-            out[i] = _from_bytes(piece, arrays[i].dtype, arrays[i].shape[1:])
-            offset += sizes[i]
+            width = sizes[i] // word.itemsize
+            piece = moved[:, offset : offset + width]
+            out[i] = _from_words(piece, arrays[i].dtype, arrays[i].shape[1:])
+            offset += width
     return out
-
-
-def _rows_to_bytes(x: jax.Array, n: int) -> jax.Array:
-    """``(n, ...)`` -> ``(n, bytes per row)`` uint8."""
-    flat = x.reshape(n, -1)
-    if flat.dtype == jnp.bool_:
-        return flat.astype(jnp.uint8)
-    return lax.bitcast_convert_type(flat, jnp.uint8).reshape(n, -1)
 
 
 def bucketed_all_gather(
@@ -461,11 +474,13 @@ def bucketed_all_gather(
         if not bucket_bytes or _alone(bucket, arrays, bucket_bytes):
             out[bucket[0]] = collectives.all_gather(arrays[bucket[0]], axis_name)
             continue
-        flat = pack([_to_bytes(arrays[i]) for i in bucket], axis_name, prev)
-        gathered = prev = collectives.all_gather(flat, axis_name)  # (n, bytes)
+        word = _word_of([arrays[i] for i in bucket])
+        flat = pack([_to_words(arrays[i], word) for i in bucket], axis_name, prev)
+        gathered = prev = collectives.all_gather(flat, axis_name)  # (n, words)
         offset = 0
         for i in bucket:
-            piece = gathered[:, offset : offset + sizes[i]]
-            out[i] = _from_bytes(piece, arrays[i].dtype, arrays[i].shape)
-            offset += sizes[i]
+            width = sizes[i] // word.itemsize
+            piece = gathered[:, offset : offset + width]
+            out[i] = _from_words(piece, arrays[i].dtype, arrays[i].shape)
+            offset += width
     return out

@@ -441,3 +441,46 @@ def test_two_phase_collectives_send_a_payload_larger_than_a_bucket_as_it_is(kind
 
 def _word(t: str) -> int:
     return {"u8": 1, "u16": 2}.get(t, 4)
+
+
+@pytest.mark.parametrize(
+    "dtypes, word",
+    [
+        (["bfloat16", "bfloat16"], "u16"),  # a cast's bucket: its words as they are
+        (["bfloat16", "float32", "int32"], "u16"),  # a 4-byte payload as two words
+        (["float32", "int32", "uint32"], "u32"),  # top-k's values and indices
+        (["int8", "float32", "bool"], "u8"),  # codes and scales: bytes
+    ],
+)
+@pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
+def test_row_buckets_move_the_widest_common_word(kind, dtypes, word):
+    # the bucket moves the widest unsigned word every payload splits into, so that a payload
+    # of that width is bit-cast, not reassembled byte by byte; every worker gets every
+    # sender's payload back exactly, equal to the per-payload exchange
+    shapes = [(H.N, 6), (H.N, 3), (H.N, 5)][: len(dtypes)]
+    spec = H.P(H.AXIS)
+    sharding = H.NamedSharding(H.mesh(), spec)
+
+    def payload(i, dtype, shape):
+        x = jnp.arange(H.N * math.prod(shape)).reshape((H.N,) + shape) * 37 + 11 * i - 50
+        return x > 0 if dtype == "bool" else (x * 0.75 if "float" in dtype else x).astype(dtype)
+
+    pairs = enumerate(zip(dtypes, shapes))
+    xs = [jax.device_put(payload(i, d, s), sharding) for i, (d, s) in pairs]
+
+    def program(bucket_bytes):
+        def f(*xs):
+            xs = [x[0] if kind == "all_to_all" else x[0].reshape(-1) for x in xs]
+            return [g[None] for g in getattr(buckets, f"bucketed_{kind}")(xs, "data", bucket_bytes)]
+
+        return jax.jit(jax.shard_map(f, mesh=H.mesh(), in_specs=spec, out_specs=spec))
+
+    bucketed, per_leaf = program(1 << 20), program(None)
+    for x, g, r in zip(xs, bucketed(*xs), per_leaf(*xs)):
+        assert g.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    text = bucketed.lower(*xs).compile().as_text()
+    op = kind.replace("_", "-")  # XLA:CPU's all-to-all is a tuple of n row operands
+    lines = [line.split(" = ", 1)[1] for line in text.splitlines() if f" {op}(" in line]
+    moved = [set(re.findall(r"(\w+)\[", line.split(f" {op}(")[0])) for line in lines]
+    assert moved == [{word}], moved
