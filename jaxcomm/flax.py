@@ -39,6 +39,20 @@ among the step's arguments:
   averages its floating leaves;
 * everything else is replicated, and checked to be: a value computed from
   the batch without an exchange is an error before the step runs.
+
+Sharded (FSDP, :func:`jaxcomm.fsdp`): :func:`fsdp` shards an nnx model's
+parameters and the optimizer state over the workers. Five lines replace the
+``nnx.Optimizer`` and the jitted step (``loss_fn(model, batch) -> loss``):
+
+    trainer, state = jaxcomm.flax.fsdp(model, loss_fn, optax.adamw(lr), mesh)  # +
+    for batch in batches:
+        state, loss = trainer.step(state, batch)          # ~ was train_step(...)
+    jaxcomm.flax.fsdp_update(model, trainer, state)       # + the model, gathered
+
+A linen ``TrainState`` needs no adapter: ``jaxcomm.fsdp(loss_fn, state.tx,
+mesh)`` with ``loss_fn(params, batch)`` calling ``state.apply_fn``,
+``trainer.init(state.params)``, and ``state.replace(params=trainer.params(s))``
+to evaluate or save.
 """
 
 from __future__ import annotations
@@ -54,7 +68,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxcomm import parallel
 
-__all__ = ["data_parallel", "init_optimizer", "init_per_worker"]
+__all__ = ["data_parallel", "fsdp", "fsdp_update", "init_optimizer", "init_per_worker"]
 
 
 def _is_var(x) -> bool:
@@ -296,3 +310,63 @@ def _pure_step(fn, graphdef, names, pos, n_args: int, axis_name: str, batch_stat
         return nnx.state(objs), out
 
     return pure
+
+
+def fsdp(
+    model: nnx.Module,
+    loss_fn: Callable[[nnx.Module, Any], Any],
+    tx: Any,
+    mesh: Mesh,
+    *,
+    wrt: Any = nnx.Param,
+    **options: Any,
+) -> tuple[parallel.Fsdp, parallel.FsdpState]:
+    """Sharded data-parallel training of an nnx model: :func:`jaxcomm.fsdp`'s trainer and state.
+
+    Args:
+      model: the nnx module; its ``wrt`` variables are trained (the model is
+        not changed until :func:`fsdp_update`).
+      loss_fn: ``(model, batch) -> loss`` on one worker's slice of the batch
+        (``(loss, aux)`` with ``has_aux=True``).
+      tx: an element-wise optax optimizer (as :func:`jaxcomm.fsdp`).
+      mesh: the device mesh.
+      wrt: the variables trained and sharded (an nnx filter), default ``nnx.Param``.
+      **options: :func:`jaxcomm.fsdp`'s (``axis_name``, ``weights``,
+        ``gradients``, ``block_size``, ``has_aux``, ``replica_axis``).
+
+    Returns:
+      ``(trainer, state)``: ``trainer.step(state, batch)`` trains,
+      ``trainer.params(state)`` gathers the ``wrt`` state.
+
+    Raises:
+      ValueError: when the step would change the model's other state (BatchNorm
+        statistics, an RNG stream's counter, a cache): the sharded step keeps it
+        constant, so such a change would be dropped. The variable is named.
+    """
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+
+    def loss(p, batch):
+        before = jax.tree.map(jnp.asarray, rest)  # this trace's own copies
+        was = jax.tree_util.tree_leaves_with_path(before)  # the arrays, before the call
+        m = nnx.merge(graphdef, p, before)
+        out = loss_fn(m, batch)
+        now = jax.tree.leaves(nnx.split(m, wrt, ...)[2])
+        for (path, old), new in zip(was, now):
+            if new is not old:  # a variable the forward pass wrote
+                raise ValueError(
+                    f"model: the step changes {jax.tree_util.keystr(path)}, which "
+                    "jaxcomm.flax.fsdp keeps constant (it shards and trains the `wrt` variables "
+                    "only): use a model without BatchNorm statistics or RNG streams updated in "
+                    "the forward pass (e.g. LayerNorm; dropout keys passed in the batch)"
+                )
+        return out
+
+    trainer = parallel.fsdp(loss, tx, mesh, **options)
+    return trainer, trainer.init(params)
+
+
+def fsdp_update(
+    model: nnx.Module, trainer: parallel.Fsdp, state: parallel.FsdpState, replica: int = 0
+) -> None:
+    """Write the trained variables (gathered from ``state``) into ``model``, in place."""
+    nnx.update(model, trainer.params(state, replica))

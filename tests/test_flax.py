@@ -282,3 +282,98 @@ def test_a_leaf_left_out_of_the_compressor_is_named_by_its_nnx_path():
     with pytest.raises(ValueError, match=r"model\['l1'\]\['bias'\] is returned as replicated.*"
                        r"jaxcomm\.allreduce"):  # fmt: skip
         step(model, optimizer, metrics, batches(1)[0])
+
+
+def _fsdp_reference(params, grad_fn, steps, lr=0.1):
+    """Plain SGD on the whole batch, one device (the mean gradient fsdp's workers share)."""
+    out = []
+    for b in batches(steps):
+        g = grad_fn(params, b)
+        params = jax.tree.map(lambda p, d: p - lr * d, params, g)
+        out.append(params)
+    return out[-1]
+
+
+def test_fsdp_of_an_nnx_model_trains_as_sgd_on_the_whole_batch_and_updates_the_model():
+    # the sharded step (each worker its slice, gradients reduce-scattered, the shard updated)
+    # equals SGD on the whole batch, and fsdp_update writes the gathered params into the model
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    model = MLP(nnx.Rngs(0))
+    start = jax.tree.map(jnp.array, nnx.split(model, nnx.Param, ...)[1])  # copies
+    trainer, state = jaxcomm.flax.fsdp(model, loss_fn, optax.sgd(0.1), mesh, has_aux=True)
+    for b in batches(3):
+        state, _ = trainer.step(state, b)
+    for m, s in zip(jax.tree.leaves(nnx.split(model, nnx.Param, ...)[1]), jax.tree.leaves(start)):
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(s))  # untouched until update
+    graphdef, _, rest = nnx.split(MLP(nnx.Rngs(0)), nnx.Param, ...)
+
+    def grad_fn(p, b):
+        return jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), b)[0])(p)
+
+    want = _fsdp_reference(start, grad_fn, 3)
+    jaxcomm.flax.fsdp_update(model, trainer, state)
+    got = nnx.split(model, nnx.Param, ...)[1]
+    moved = [np.abs(np.asarray(g) - np.asarray(s)).max() for g, s in
+             zip(jax.tree.leaves(got), jax.tree.leaves(start))]  # fmt: skip
+    assert min(moved) > 1e-4, moved  # every leaf trained (and was written back)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_of_a_linen_train_state_is_four_lines():
+    # a linen TrainState needs no adapter: the loss calls apply_fn, init takes state.params,
+    # and replace(params=...) gives the TrainState back; equal to TrainState.apply_gradients
+    # on the whole batch
+    from flax import linen as nn
+    from flax.training import train_state
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(jnp.tanh(nn.Dense(32)(x)))
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 16)))["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.sgd(0.1))
+
+    def loss(p, b):
+        logits = state.apply_fn({"params": p}, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    trainer = jaxcomm.fsdp(loss, state.tx, mesh)  # the four lines
+    sharded = trainer.init(state.params)
+    for b in batches(3):
+        sharded, _ = trainer.step(sharded, b)
+    done = state.replace(params=trainer.params(sharded))
+    ref = state
+    for b in batches(3):
+        ref = ref.apply_gradients(grads=jax.grad(loss)(ref.params, b))
+    for g, w in zip(jax.tree.leaves(done.params), jax.tree.leaves(ref.params)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "layer, changed",
+    [
+        (lambda rngs: nnx.BatchNorm(32, rngs=rngs), r"\['extra'\]\['mean'\]"),
+        (lambda rngs: nnx.Dropout(0.5, rngs=rngs), r"\['extra'\]\['rngs'\]\['count'\]"),
+    ],
+    ids=["batch_norm", "dropout"],
+)
+def test_fsdp_refuses_a_model_whose_step_changes_state_it_keeps_constant(layer, changed):
+    # BatchNorm's running statistics and a dropout stream's counter would be dropped after
+    # every step: refused, the variable named
+    class WithExtra(nnx.Module):
+        def __init__(self, rngs):
+            self.l1, self.extra = nnx.Linear(16, 32, rngs=rngs), layer(rngs)
+            self.l2 = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.extra(jnp.tanh(self.l1(x))))
+
+    mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
+    trainer, state = jaxcomm.flax.fsdp(WithExtra(nnx.Rngs(0)), loss_fn, optax.sgd(0.1), mesh,
+                                       has_aux=True)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"model: the step changes {changed}"):
+        trainer.step(state, next(iter(batches(1))))
