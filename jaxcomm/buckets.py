@@ -21,7 +21,8 @@ bit as a per-leaf collective would deliver it.
   indices, ``uint8`` beside a byte code; exact sizes, no padding), the words
   packed, gathered, and bit-cast back. A payload of the word's width is
   bit-cast for free; one in bytes would be reassembled byte by byte on
-  decode (a shift-and-reduce per payload on XLA:CPU). 16-bit floats travel as
+  decode (a shift-and-reduce per payload on XLA:CPU). A byte-sized payload
+  (the NaN flag beside top-k's values and indices) makes the bucket bytes. 16-bit floats travel as
   their raw bits, so XLA:CPU's promotion of bf16 collectives to f32 does not
   apply to them.
 * Buckets are exchanged one after another: each bucket's buffer waits for
@@ -387,14 +388,16 @@ def bucketed_psum_scatter(
 
 
 def _word_of(arrays: Sequence[jax.Array]) -> jnp.dtype:
-    """The widest unsigned word every array's elements split into (``uint8`` with a bool).
+    """The widest unsigned word (at most 4 bytes) every payload of the bucket splits into.
 
-    Item sizes are powers of two, so the smallest (at most 4 bytes) divides
-    every other: a bucket of 16-bit payloads moves ``uint16`` words, and each
-    payload is bit-cast to and from its own width (no byte shuffling on decode).
+    Item sizes are powers of two, so the smallest divides every other: a bucket
+    of 16-bit payloads moves ``uint16`` words, each payload bit-cast to and from
+    its own width (no byte shuffling on decode). One byte-sized payload (a NaN
+    flag beside top-k's values and indices) makes the whole bucket bytes: the
+    bytes on the wire stay exactly the payloads' (the closed forms of
+    ``wire_bytes``).
     """
-    sizes = [1 if x.dtype == jnp.bool_ else jnp.dtype(x.dtype).itemsize for x in arrays]
-    return _WORDS[min(4, *sizes)]
+    return _WORDS[min(4, *(jnp.dtype(x.dtype).itemsize for x in arrays))]
 
 
 def _to_words(x: jax.Array, word: jnp.dtype, lead: tuple[int, ...] = ()) -> jax.Array:
@@ -420,14 +423,26 @@ def _from_words(w: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
     return x.reshape((n,) + tuple(shape))
 
 
+def _cut(moved: jax.Array, arrays: list, bucket: list[int], nbytes: list[int], word, out: list,
+         rows: bool) -> None:  # fmt: skip
+    """Each of ``bucket``'s arrays back from the moved ``(n, words)`` buffer, into ``out``."""
+    offset = 0
+    for i in bucket:
+        width = nbytes[i] // word.itemsize
+        shape = arrays[i].shape[1:] if rows else arrays[i].shape
+        out[i] = _from_words(moved[:, offset : offset + width], arrays[i].dtype, shape)
+        offset += width
+
+
 def bucketed_all_to_all(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
     """Row exchange (:func:`jaxcomm.collectives.all_to_all`) of ``(n, ...)`` arrays, bucketed.
 
-    Each array's rows are bit-cast to bytes, a bucket lays them out as
-    ``(n, total bytes)`` (row j: every array's row j), one all-to-all moves
-    the bucket, and the rows are cut back and bit-cast to their dtypes.
+    Each array's rows are bit-cast to the bucket's word (:func:`_word_of`), a
+    bucket lays them out as ``(n, total words)`` (row j: every array's row j),
+    one all-to-all moves the bucket, and the rows are cut back and bit-cast to
+    their dtypes.
     """
     arrays = [jnp.asarray(x) for x in arrays]
     n = collectives.axis_size(axis_name)
@@ -442,19 +457,14 @@ def bucketed_all_to_all(
         word = _word_of([arrays[i] for i in bucket])
         rows = [_to_words(arrays[i], word, (n,)) for i in bucket]
         moved = prev = collectives.all_to_all(pack(rows, axis_name, prev), axis_name)
-        offset = 0
-        for i in bucket:
-            width = sizes[i] // word.itemsize
-            piece = moved[:, offset : offset + width]
-            out[i] = _from_words(piece, arrays[i].dtype, arrays[i].shape[1:])
-            offset += width
+        _cut(moved, arrays, bucket, sizes, word, out, rows=True)
     return out
 
 
 def bucketed_all_gather(
     arrays: Sequence[jax.Array], axis_name: AxisName, bucket_bytes: int | None
 ) -> list[jax.Array]:
-    """Every worker's copy of every array: one all-gather of raw bytes per bucket.
+    """Every worker's copy of every array: one all-gather of raw words per bucket.
 
     Args:
       arrays: per-worker arrays, any shapes and dtypes (in leaf order).
@@ -477,10 +487,5 @@ def bucketed_all_gather(
         word = _word_of([arrays[i] for i in bucket])
         flat = pack([_to_words(arrays[i], word) for i in bucket], axis_name, prev)
         gathered = prev = collectives.all_gather(flat, axis_name)  # (n, words)
-        offset = 0
-        for i in bucket:
-            width = sizes[i] // word.itemsize
-            piece = gathered[:, offset : offset + width]
-            out[i] = _from_words(piece, arrays[i].dtype, arrays[i].shape)
-            offset += width
+        _cut(gathered, arrays, bucket, sizes, word, out, rows=False)
     return out

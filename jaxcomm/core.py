@@ -20,7 +20,7 @@ Tensor fusion (``bucket_bytes``, see :mod:`jaxcomm.buckets`): the payloads of
 all leaves that go through the same collective are packed into flat buffers
 of at most this many bytes, filled from the last leaf to the first (backprop
 order), and each buffer is exchanged with one collective: psum buckets per
-dtype, all-gather buckets as raw bytes. ``"auto"``: 25 MiB (PyTorch DDP's) on
+dtype, all-gather buckets as raw words. ``"auto"``: 25 MiB (PyTorch DDP's) on
 GPU/TPU; on CPU 1 MiB for the sums, 25 MiB for the gathers
 (:func:`jaxcomm.buckets.default_bucket_bytes`). ``None`` or 0: one
 collective per payload array. Results are bit-identical either way.

@@ -166,7 +166,7 @@ def flag(ok: jax.Array, payload: Payload, kind: str) -> jax.Array:
 
     psum: one entry in the dtype of the last payload array (it joins that
     dtype's bucket: no collective of its own); the sum is > 0 iff some
-    worker's flag was set. all_gather: one byte (gathered buckets are bytes).
+    worker's flag was set. all_gather: one byte (its bucket then moves bytes).
     """
     dtype = jnp.result_type(payload[-1]) if kind == "psum" and payload else jnp.uint8
     return (~ok).astype(dtype)

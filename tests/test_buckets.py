@@ -132,6 +132,18 @@ GATHER_PATH = [
 ON_TWO = ["cast", "int8", "ef_sign:two_phase"]
 
 
+@pytest.mark.parametrize("name, word", [("cast", "u16"), ("topk", "u8"), ("int8", "u8")])
+def test_a_codecs_step_moves_its_payloads_widest_word(name, word):
+    # a cast's words move as uint16 (it carries no NaN flag); int8 codes, and top-k's
+    # values and indices beside the NaN flag's byte, as bytes (2 workers: the all-gather)
+    tx = REGISTRY[name]("data")
+    m = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    g = H.per_worker_grads(MANY, seed=3, n=2)
+    text = H.shard_map_compiled(tx, g, H.stack(tx.init(MANY), 2), m=m).as_text()
+    moved = re.findall(r"= (\w+)\[[\d,]*\]\S* all-gather\(", text)
+    assert moved == [word], moved
+
+
 @pytest.mark.parametrize(
     "name, n", [(name, H.N) for name in GATHER_PATH] + [(name, 2) for name in ON_TWO]
 )
@@ -450,6 +462,8 @@ def _word(t: str) -> int:
         (["bfloat16", "float32", "int32"], "u16"),  # a 4-byte payload as two words
         (["float32", "int32", "uint32"], "u32"),  # top-k's values and indices
         (["int8", "float32", "bool"], "u8"),  # codes and scales: bytes
+        (["float32", "int32", "uint8"], "u8"),  # a NaN flag's byte beside them: bytes
+        (["float16", "int16", "float32"], "u16"),  # empty payloads too (the last one)
     ],
 )
 @pytest.mark.parametrize("kind", ["all_gather", "all_to_all"])
@@ -457,7 +471,7 @@ def test_row_buckets_move_the_widest_common_word(kind, dtypes, word):
     # the bucket moves the widest unsigned word every payload splits into, so that a payload
     # of that width is bit-cast, not reassembled byte by byte; every worker gets every
     # sender's payload back exactly, equal to the per-payload exchange
-    shapes = [(H.N, 6), (H.N, 3), (H.N, 5)][: len(dtypes)]
+    shapes = [(H.N, 96), (H.N, 3), (H.N, 5 if dtypes[-1] != "float32" else 0)][: len(dtypes)]
     spec = H.P(H.AXIS)
     sharding = H.NamedSharding(H.mesh(), spec)
 

@@ -53,7 +53,9 @@ while the gathered payloads are compressed and few buckets suit them
 is (no copy). Buckets fill
 from the last leaf to the first (backprop order). psum buckets hold one
 dtype; all-gather buckets bit-cast mixed payloads (values + int32 indices,
-codes + scales, bf16) to raw `uint8` bytes. Consecutive buckets are chained
+codes + scales, bf16) to the widest unsigned word they all split into (`uint16`
+for a cast; `uint8` beside byte codes or the NaN flag's byte, as for top-k).
+Consecutive buckets are chained
 by a data dependency so XLA's all-reduce combiner cannot merge them back
 into one multi-operand instruction. Results are bit-identical to the
 per-leaf exchange. PowerSGD puts all P's (with the dense leaves) in one
