@@ -41,7 +41,7 @@ among the step's arguments:
   the batch without an exchange is an error before the step runs.
 
 Sharded (FSDP, :func:`jaxcomm.fsdp`): :func:`fsdp` shards an nnx model's
-parameters and the optimizer state over the workers. Five lines replace the
+parameters and the optimizer state over the workers. Three lines replace the
 ``nnx.Optimizer`` and the jitted step (``loss_fn(model, batch) -> loss``):
 
     trainer, state = jaxcomm.flax.fsdp(model, loss_fn, optax.adamw(lr), mesh)  # +
@@ -52,7 +52,7 @@ parameters and the optimizer state over the workers. Five lines replace the
 A linen ``TrainState`` needs no adapter: ``jaxcomm.fsdp(loss_fn, state.tx,
 mesh)`` with ``loss_fn(params, batch)`` calling ``state.apply_fn``,
 ``trainer.init(state.params)``, and ``state.replace(params=trainer.params(s))``
-to evaluate or save.
+to evaluate (save the sharded state itself: ``trainer.load`` restores it).
 """
 
 from __future__ import annotations
@@ -339,25 +339,32 @@ def fsdp(
       ``trainer.params(state)`` gathers the ``wrt`` state.
 
     Raises:
-      ValueError: when the step would change the model's other state (BatchNorm
-        statistics, an RNG stream's counter, a cache): the sharded step keeps it
-        constant, so such a change would be dropped. The variable is named.
+      ValueError: at the first step (when it is traced), if the forward pass
+        writes to a variable: the model's other state (BatchNorm statistics, an
+        RNG stream's counter, a cache) is a constant of the sharded step and a
+        ``wrt`` variable is the trainer's, so a write would be dropped. The
+        variable is named. (``nnx.Intermediate`` values sown by the forward
+        pass are dropped without complaint: they are outputs, not state.)
+
+    The variables outside ``wrt`` are constants of the compiled step, whole on
+    every worker (frozen weights under a LoRA-style ``wrt`` are not sharded).
     """
     graphdef, params, rest = nnx.split(model, wrt, ...)
 
     def loss(p, batch):
-        before = jax.tree.map(jnp.asarray, rest)  # this trace's own copies
-        was = jax.tree_util.tree_leaves_with_path(before)  # the arrays, before the call
+        # fresh Variable objects over the same arrays (merge would share the model's)
+        before = jax.tree.map(lambda x: x, rest)
+        was = _leaves_by_path(p) | _leaves_by_path(before)  # the arrays, before the call
         m = nnx.merge(graphdef, p, before)
         out = loss_fn(m, batch)
-        now = jax.tree.leaves(nnx.split(m, wrt, ...)[2])
-        for (path, old), new in zip(was, now):
-            if new is not old:  # a variable the forward pass wrote
+        _, p_after, _, rest_after = nnx.split(m, wrt, nnx.Intermediate, ...)
+        for path, new in (_leaves_by_path(p_after) | _leaves_by_path(rest_after)).items():
+            if was.get(path) is not new:  # a variable the forward pass wrote (or added)
                 raise ValueError(
-                    f"model: the step changes {jax.tree_util.keystr(path)}, which "
-                    "jaxcomm.flax.fsdp keeps constant (it shards and trains the `wrt` variables "
-                    "only): use a model without BatchNorm statistics or RNG streams updated in "
-                    "the forward pass (e.g. LayerNorm; dropout keys passed in the batch)"
+                    f"model: the step writes {path}, which jaxcomm.flax.fsdp keeps as the "
+                    "trainer's (the `wrt` variables) or as a constant (the rest): use a model "
+                    "without BatchNorm statistics or RNG streams updated in the forward pass "
+                    "(e.g. LayerNorm; dropout keys passed in the batch)"
                 )
         return out
 
@@ -365,8 +372,13 @@ def fsdp(
     return trainer, trainer.init(params)
 
 
+def _leaves_by_path(state: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_leaves_with_path(state)}
+
+
 def fsdp_update(
     model: nnx.Module, trainer: parallel.Fsdp, state: parallel.FsdpState, replica: int = 0
 ) -> None:
-    """Write the trained variables (gathered from ``state``) into ``model``, in place."""
+    """Write the trained variables (gathered from ``state``; with ``replica_axis``, those
+    of replica ``replica``) into ``model``, in place."""
     nnx.update(model, trainer.params(state, replica))

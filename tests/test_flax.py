@@ -353,17 +353,45 @@ def test_fsdp_of_a_linen_train_state_is_four_lines():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+class Scaled(nnx.Module):  # a constant buffer beside the trained layers, used read-only
+    def __init__(self, rngs):
+        self.scale = nnx.Variable(jnp.full((32,), 0.5))
+
+    def __call__(self, h):
+        return h * self.scale[...]
+
+
+class HalvesKernel(nnx.Module):  # writes a trained variable in the forward pass
+    def __init__(self, rngs):
+        self.inner = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, h):
+        self.inner.kernel[...] = self.inner.kernel[...] * 0.5
+        return self.inner(h)
+
+
+class Sows(nnx.Module):  # an intermediate sown for inspection: an output, not state
+    def __call__(self, h):
+        self.sow(nnx.Intermediate, "h", h)
+        return h
+
+
 @pytest.mark.parametrize(
-    "layer, changed",
+    "layer, written",
     [
         (lambda rngs: nnx.BatchNorm(32, rngs=rngs), r"\['extra'\]\['mean'\]"),
         (lambda rngs: nnx.Dropout(0.5, rngs=rngs), r"\['extra'\]\['rngs'\]\['count'\]"),
+        (HalvesKernel, r"\['extra'\]\['inner'\]\['kernel'\]"),
+        (Scaled, None),
+        (lambda rngs: nnx.BatchNorm(32, use_running_average=True, rngs=rngs), None),
+        (lambda rngs: Sows(), None),
     ],
-    ids=["batch_norm", "dropout"],
+    ids=["batch_norm", "dropout", "writes_a_param", "constant", "batch_norm_eval", "sow"],
 )
-def test_fsdp_refuses_a_model_whose_step_changes_state_it_keeps_constant(layer, changed):
-    # BatchNorm's running statistics and a dropout stream's counter would be dropped after
-    # every step: refused, the variable named
+def test_fsdp_refuses_a_model_whose_step_writes_a_variable(layer, written):
+    # BatchNorm's running statistics, a dropout stream's counter or a trained kernel written
+    # in the forward pass would be dropped after every step: refused, the variable named;
+    # state only read (a constant buffer, BatchNorm in eval mode) and sown intermediates train
     class WithExtra(nnx.Module):
         def __init__(self, rngs):
             self.l1, self.extra = nnx.Linear(16, 32, rngs=rngs), layer(rngs)
@@ -375,5 +403,9 @@ def test_fsdp_refuses_a_model_whose_step_changes_state_it_keeps_constant(layer, 
     mesh = jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Auto,))
     trainer, state = jaxcomm.flax.fsdp(WithExtra(nnx.Rngs(0)), loss_fn, optax.sgd(0.1), mesh,
                                        has_aux=True)  # fmt: skip
-    with pytest.raises(ValueError, match=rf"model: the step changes {changed}"):
-        trainer.step(state, next(iter(batches(1))))
+    batch = next(iter(batches(1)))
+    if written is None:
+        assert np.isfinite(float(trainer.step(state, batch)[1]))
+        return
+    with pytest.raises(ValueError, match=rf"model: the step writes {written}"):
+        trainer.step(state, batch)
