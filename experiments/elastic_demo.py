@@ -193,15 +193,16 @@ def replica(args: argparse.Namespace) -> None:
         log.write(json.dumps(line) + "\n")
         log.flush()
 
-    everyone, begun = False, 0  # all replicas in the last sync; the round's first position
+    everyone, calls = False, 0  # all replicas in the last sync; take's calls this round
 
-    def take(p, s, position, n):  # n inner steps, padded to their share of a round's compute
+    def take(p, s, position, n):  # n inner steps, padded to their share of round_s
+        nonlocal calls
         t0 = time.monotonic()
         p, s, loss = inner_steps(p, s, position, n)
         loss = float(loss)
         time.sleep(max(0.0, args.round_s * n / h - (time.monotonic() - t0)))
-        first = position == begun  # the steps before start (not the ones beside the all-reduce)
-        if first and args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
+        calls += 1  # the first: the steps before start (not the ones beside the all-reduce)
+        if calls == 1 and args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
             os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
         return p, s, loss
 
@@ -209,7 +210,7 @@ def replica(args: argparse.Namespace) -> None:
     params, state = loop.join()  # a restarted replica heals here
     record(True, anchor, None)
     while loop.rounds < args.rounds or loop.participants < args.finish_with:
-        everyone, begun = loop.participants == args.replicas, loop.inner_steps
+        everyone, calls = loop.participants == args.replicas, 0
         anchor = loop.anchor
         params, state, committed, losses = loop.round(params, state, take, steps=h)
         record(committed, anchor, losses[0])

@@ -144,9 +144,10 @@ class ElasticDiLoCo:
           params, state = inner_steps(params, state, tau)
           params, state, committed = loop.finish(params, state, steps=tau)
 
-      or the same in one call, ``inner(params, state, position, n)`` taking
-      ``n`` steps: ``params, state, committed, _ = loop.round(params, state,
-      inner, steps=H // F)``.
+      or the same in one call, ``inner(params, state, position, n) -> (params,
+      state, aux)`` taking ``n`` steps from data position ``position``:
+      ``params, state, committed, auxes = loop.round(params, state, inner,
+      steps=H // F)``.
 
     References:
       Douillard et al. 2023, arXiv:2311.08105; Streaming DiLoCo, 2025,

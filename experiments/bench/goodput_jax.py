@@ -101,6 +101,7 @@ def replica(args) -> None:
     loop = jaxcomm.ElasticDiLoCo(manager, params, state, outer=outer, fragments=fragments,
                                  mix=mix, delay=delay)  # fmt: skip
 
+    # the compiled steps by length (when per_sync == 2 delay, both are the same length)
     by_length = {per_sync - delay: run, **({delay: tail} if delay else {})}
 
     def take(p, s, position, n):
