@@ -17,14 +17,14 @@ bit as a per-leaf collective would deliver it.
   (:func:`pack`).
 * **all_gather** (and all-to-all) buckets mix dtypes: each payload is
   bit-cast to the widest unsigned word every payload of the bucket splits
-  into (``uint16`` for a cast's words, ``uint32`` for top-k's values and
-  indices, ``uint8`` beside a byte code; exact sizes, no padding), the words
-  packed, gathered, and bit-cast back. A payload of the word's width is
-  bit-cast for free; one in bytes would be reassembled byte by byte on
+  into (``uint16`` for a cast's words, ``uint32`` when every payload is 4
+  bytes wide, ``uint8`` beside a byte code; exact sizes, no padding), the
+  words packed, gathered, and bit-cast back. A payload of the word's width
+  is bit-cast for free; one in bytes would be reassembled byte by byte on
   decode (a shift-and-reduce per payload on XLA:CPU). A byte-sized payload
-  (the NaN flag beside top-k's values and indices) makes the bucket bytes. 16-bit floats travel as
-  their raw bits, so XLA:CPU's promotion of bf16 collectives to f32 does not
-  apply to them.
+  (the NaN flag beside top-k's values and indices) makes the bucket bytes.
+  16-bit floats travel as their raw bits, so XLA:CPU's promotion of bf16
+  collectives to f32 does not apply to them.
 * Buckets are exchanged one after another: each bucket's buffer waits for
   the previous bucket's result (a data dependency, see ``_after``), so XLA's
   all-reduce combiner cannot merge independent buckets back into one
