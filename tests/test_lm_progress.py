@@ -47,3 +47,17 @@ def test_report_cells():
     assert "| +4.7% (outside) | — (1 of 3 seeds) | muon (1.6500) |" in text
     assert "Dense's median final: 1.7200 over seeds 0, 1, 2." in text
     assert "Running time so far: 1.5 h," in text  # 12 runs (one of 4 processes) x 450 s
+
+
+def test_a_tried_variant_is_shown_apart_and_dilocos_counterpart_is_dense():
+    results = {**RESULTS, "runs": [*RESULTS["runs"], _run("diloco_h1", 0, 2.5),
+                                   *[_run("diloco", s, 1.9) for s in range(3)]]}  # fmt: skip
+    rows = {r["method"]: r for r in lm_progress.rows(results)}
+    assert "diloco_h1" not in rows  # not a row of the grid
+    assert rows["diloco"]["counterpart"] == "dense" and rows["diloco"]["counterpart_median"] == 1.72
+    text = lm_progress.report(results)
+    assert "| diloco_h1 |" not in text
+    assert (
+        "Tried and left out of the grid: diloco_h1 (" in text and "final 2.5000 (seed 0)." in text
+    )
+    assert "| +10.5% (outside) | no | dense (1.7200) |" in text  # 1.9 / 1.72 - 1

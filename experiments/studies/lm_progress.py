@@ -13,6 +13,8 @@ time to target on any link, so this table gives quality only:
   of dense's median (the headline rule; judged at 3 seeds);
 - for optimizers and outer loops, the median of their own dense counterpart
   (:data:`experiments.studies.lm_methods.COUNTERPART`);
+- variants tried and left out of the grid (:data:`~experiments.studies.lm_methods.TRIED`),
+  below the table with their finals;
 - the counting models' losses on the same split.
 """
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import verdict
-from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER
+from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED
 from experiments.studies.report import ngram_line, running_time
 
 
@@ -42,6 +44,8 @@ def rows(results: dict, n: int = 2) -> list[dict]:
     judged = len(dense) >= verdict.MIN_SEEDS
     out = []
     for m, seeds in by.items():
+        if m in TRIED:
+            continue
         vals = [seeds[s] for s in sorted(seeds)]
         row = {"method": m, "seeds": sorted(seeds), "finals": vals,
                "median": statistics.median(vals), "counterpart": COUNTERPART.get(m)}  # fmt: skip
@@ -104,6 +108,15 @@ def report(results: dict, n: int = 2) -> str:
                      f"{', '.join(map(str, dense['seeds']))}.")  # fmt: skip
     else:
         lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
+    by = finals(results, n)
+    for m, why in TRIED.items():
+        if m in by:
+            ends = " / ".join(f"{by[m][s]:.4f}" for s in sorted(by[m]))
+            lines += [
+                "",
+                f"Tried and left out of the grid: {m} ({why}), final {ends} "
+                f"(seed{'s' if len(by[m]) > 1 else ''} {', '.join(map(str, sorted(by[m])))}).",
+            ]
     ngram = ngram_line(results)
     if ngram:
         lines += ["", ngram]

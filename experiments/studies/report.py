@@ -204,7 +204,8 @@ def lm_verdicts(results: dict) -> dict:
                 for key, t in zip(("loss_at_dense_target", "loss_at_dense_run"), dense_times[rate]):
                     at = [verdict.value_at(ls, ts, t) for ls, ts in axes[m, rate]] if t else []
                     cell[key] = statistics.median(at) if at and None not in at else None
-                ref = rows.get(COUNTERPART.get(m, ""), {})
+                # a counterpart other than dense (whose ratio is the cell's own)
+                ref = rows.get(COUNTERPART.get(m, ""), {}) if COUNTERPART.get(m) != "dense" else {}
                 cell["speedup_counterpart"] = (
                     verdict.speedup(ref["links"][rate], cell)
                     if ref and rate in ref["links"] and cell["speedup"] is not None
