@@ -1,12 +1,8 @@
 """experiments.bench.step_parts on 8 CPU devices: one session's rows, and its report."""
 
-import jax
 import pytest
 
-from experiments import data as data_lib
-from experiments import train
 from experiments.bench import step_parts, step_parts_report
-from experiments.configs import digits_mlp
 
 
 @pytest.fixture(scope="module")
@@ -20,18 +16,19 @@ def test_a_session_times_each_method_beside_no_exchange(measured):
         assert row["step_s"] > 0 and row["mean_step_s"] > 0
         if name != "none":
             assert row["exchange_s"] >= 0 and row["codec_s"] >= 0
-    # dense all-reduce: every float32 parameter once per step (closed form)
-    config = digits_mlp.get_config("dense")
-    ds = data_lib.load(config.data, 8, seed=config.seed)
-    _, params, _ = train.build_model(config, ds)
-    entries = sum(x.size for x in jax.tree.leaves(params))
+    # the peers bench's MLP: 64 inputs, 256 hidden, 10 classes (closed form); the dense
+    # all-reduce moves every float32 parameter once per step
+    entries = 64 * 256 + 256 + 256 * 10 + 10
+    assert measured["hidden"] == 256 and measured["params"] == entries
     assert measured["methods"]["dense"]["wire_bytes"] == 4 * entries
     assert measured["methods"]["topk"]["wire_bytes"] < entries  # 1%: values + indices
 
 
 def test_the_report_splits_each_step_into_its_parts(measured):
     res = {"links": {"loopback": measured}}
-    lines = step_parts_report.report(res).splitlines()
+    text = step_parts_report.report(res)
+    assert "**loopback**, 2 processes, 19,210 parameters: median of 2 calls of 2 steps" in text
+    lines = text.splitlines()
     m = measured["methods"]
     row = next(x for x in lines if x.startswith("| topk |"))
     cells = [c.strip() for c in row.strip("|").split("|")]

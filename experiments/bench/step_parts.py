@@ -4,11 +4,13 @@ Command (root, iproute2; ~4 min on 2 CPU cores):
   python -m experiments.bench.step_parts --out=experiments/results/step_parts.json
 Tables from the JSON (no runs): ``python -m experiments.studies.tables``.
 
-For the digits MLP (``experiments/configs/digits_mlp.py``, 9.6k parameters)
-on each link of ``--rates`` (2 processes, ``experiments.launch``, each egress
-shaped by ``tc ... tbf``), one session per link times, round by round
-(interleaved, so the machine's load drifts over all alike; each round in
-its own seeded random order, the same on every process):
+For the digits MLP (``experiments/configs/digits_mlp.py``; ``--hidden`` units,
+default 256: the 19.2k parameters of ``experiments.bench.peers``'s MLP; the
+config's own 128 is 9.6k) on each link of ``--rates`` (2 processes,
+``experiments.launch``, each egress shaped by ``tc ... tbf``), one session
+per link times, round by round (interleaved, so the machine's load drifts
+over all alike; each round in its own seeded random order, the same on every
+process):
 
 * ``step``: the config's training call (``--steps_per_call`` steps:
   gradient, exchange, optimizer, as ``experiments.main`` trains) with each
@@ -64,6 +66,7 @@ METHODS = ("dense", "bf16_words", "powersgd", "ef_sign", "topk", "threshold")
 def define_flags() -> None:
     flags.DEFINE_list("rates", ["loopback", "100mbit"], "links (2 processes each)")
     flags.DEFINE_list("methods", list(METHODS), "digits_mlp variants")
+    flags.DEFINE_integer("hidden", 256, "the MLP's hidden units (the config's own: 128)")
     flags.DEFINE_integer("steps_per_call", 25, "training steps per call")
     flags.DEFINE_integer("rounds", 12, "timed calls of each method (x steps_per_call steps)")
     flags.DEFINE_integer("repeats", 7, "timed samples of each part (policy.measure)")
@@ -72,13 +75,16 @@ def define_flags() -> None:
     flags.DEFINE_bool("report", False, "only write the tables from --out")
 
 
-def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) -> dict:
+def session(
+    methods: list[str], steps_per_call: int, rounds: int, repeats: int, hidden: int = 256
+) -> dict:
     """One link's measurements; every process of the launch runs it."""
     distributed.initialize()
     configs = {m: digits_mlp.get_config(m) for m in methods}
     base = digits_mlp.get_config("dense")
     for c in (base, *configs.values()):
         c.steps_per_call = steps_per_call
+        c.model.kwargs = {**c.model.kwargs, "hidden": hidden}
     n = train.n_workers_of(base)
     ds = data_lib.load(base.data, n, seed=base.seed)
     model, params, stats = train.build_model(base, ds)
@@ -104,7 +110,8 @@ def session(methods: list[str], steps_per_call: int, rounds: int, repeats: int) 
               for m in methods]  # fmt: skip
     parts = policy.measure(params, mesh, optimizers.AXIS, candidates=cands, repeats=repeats,
                            drop=False, statistic="median")  # fmt: skip
-    out = {"n": n, "steps_per_call": steps_per_call, "rounds": rounds, "methods": {}}
+    out = {"n": n, "steps_per_call": steps_per_call, "rounds": rounds, "hidden": hidden,
+           "params": sum(x.size for x in jax.tree.leaves(params)), "methods": {}}  # fmt: skip
     for k in runs:
         row = {"step_s": statistics.median(times[k]), "mean_step_s": statistics.fmean(times[k])}
         if k != "none":
@@ -127,6 +134,7 @@ def run_link(rate: str) -> dict:
                 "--", sys.executable, "-m", "experiments.bench.step_parts",
                 f"--session_out={path}", f"--methods={','.join(FLAGS.methods)}",
                 f"--steps_per_call={FLAGS.steps_per_call}", f"--rounds={FLAGS.rounds}",
+                f"--hidden={FLAGS.hidden}",
                 f"--repeats={FLAGS.repeats}"]  # fmt: skip
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -140,7 +148,9 @@ def run_link(rate: str) -> dict:
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.session_out:
-        res = session(FLAGS.methods, FLAGS.steps_per_call, FLAGS.rounds, FLAGS.repeats)
+        res = session(
+            FLAGS.methods, FLAGS.steps_per_call, FLAGS.rounds, FLAGS.repeats, FLAGS.hidden
+        )
         if jax.process_index() == 0:
             with open(FLAGS.session_out, "w") as f:
                 json.dump(res, f, indent=1)

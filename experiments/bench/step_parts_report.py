@@ -18,7 +18,9 @@ def report(results: dict) -> str:
     for rate, res in results["links"].items():
         none = res["methods"]["none"]["step_s"]
         lines += [
-            f"**{rate}**, 2 processes: median of {res['rounds']} calls of "
+            f"**{rate}**, 2 processes"
+            + (f", {res['params']:,} parameters" if "params" in res else "")
+            + f": median of {res['rounds']} calls of "
             f"{res['steps_per_call']} steps; no exchange {none * 1e3:.2f} ms/step.",
             "",
             "| method | bytes/step | step ms (mean) | - none | codec | collectives | rest "
