@@ -423,15 +423,14 @@ def _from_words(w: jax.Array, dtype: Any, shape: tuple[int, ...]) -> jax.Array:
     return x.reshape((n,) + tuple(shape))
 
 
-def _cut(moved: jax.Array, arrays: list, bucket: list[int], nbytes: list[int], word, out: list,
-         rows: bool) -> None:  # fmt: skip
-    """Each of ``bucket``'s arrays back from the moved ``(n, words)`` buffer, into ``out``."""
-    offset = 0
-    for i in bucket:
-        width = nbytes[i] // word.itemsize
-        shape = arrays[i].shape[1:] if rows else arrays[i].shape
-        out[i] = _from_words(moved[:, offset : offset + width], arrays[i].dtype, shape)
-        offset += width
+def _cut(moved: jax.Array, parts: list[tuple[int, Any, tuple[int, ...]]]) -> list[jax.Array]:
+    """The moved ``(n, words)`` buffer cut back into its ``parts``: ``(bytes, dtype, shape)``
+    of each, in bucket order; each returned ``(n, *shape)`` in its dtype."""
+    size, offset, out = jnp.dtype(moved.dtype).itemsize, 0, []
+    for nbytes, dtype, shape in parts:
+        out.append(_from_words(moved[:, offset : offset + nbytes // size], dtype, shape))
+        offset += nbytes // size
+    return out
 
 
 def bucketed_all_to_all(
@@ -457,7 +456,9 @@ def bucketed_all_to_all(
         word = _word_of([arrays[i] for i in bucket])
         rows = [_to_words(arrays[i], word, (n,)) for i in bucket]
         moved = prev = collectives.all_to_all(pack(rows, axis_name, prev), axis_name)
-        _cut(moved, arrays, bucket, sizes, word, out, rows=True)
+        parts = [(sizes[i], arrays[i].dtype, arrays[i].shape[1:]) for i in bucket]
+        for i, x in zip(bucket, _cut(moved, parts)):
+            out[i] = x
     return out
 
 
@@ -487,5 +488,7 @@ def bucketed_all_gather(
         word = _word_of([arrays[i] for i in bucket])
         flat = pack([_to_words(arrays[i], word) for i in bucket], axis_name, prev)
         gathered = prev = collectives.all_gather(flat, axis_name)  # (n, words)
-        _cut(gathered, arrays, bucket, sizes, word, out, rows=False)
+        parts = [(sizes[i], arrays[i].dtype, arrays[i].shape) for i in bucket]
+        for i, x in zip(bucket, _cut(gathered, parts)):
+            out[i] = x
     return out
