@@ -193,16 +193,17 @@ def replica(args: argparse.Namespace) -> None:
         log.write(json.dumps(line) + "\n")
         log.flush()
 
-    everyone, calls = False, 0  # all replicas in the last sync; take's calls this round
+    # all replicas in the last sync; the round's first inner step (its first call of take:
+    # the steps before start, not the ones beside the all-reduce, which start later)
+    everyone, first = False, -1
 
     def take(p, s, position, n):  # n inner steps, padded to their share of round_s
-        nonlocal calls
         t0 = time.monotonic()
         p, s, loss = inner_steps(p, s, position, n)
         loss = float(loss)
         time.sleep(max(0.0, args.round_s * n / h - (time.monotonic() - t0)))
-        calls += 1  # the first: the steps before start (not the ones beside the all-reduce)
-        if calls == 1 and args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone:
+        due = args.kill_in == "inner" and 0 <= args.die_at <= loop.rounds and everyone
+        if due and position == first:
             os.kill(os.getpid(), signal.SIGKILL)  # between syncs: after its inner steps
         return p, s, loss
 
@@ -210,7 +211,7 @@ def replica(args: argparse.Namespace) -> None:
     params, state = loop.join()  # a restarted replica heals here
     record(True, anchor, None)
     while loop.rounds < args.rounds or loop.participants < args.finish_with:
-        everyone, calls = loop.participants == args.replicas, 0
+        everyone, first = loop.participants == args.replicas, loop.inner_steps
         anchor = loop.anchor
         params, state, committed, losses = loop.round(params, state, take, steps=h)
         record(committed, anchor, losses[0])
