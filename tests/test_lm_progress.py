@@ -61,3 +61,23 @@ def test_a_tried_variant_is_shown_apart_and_dilocos_counterpart_is_dense():
         "Tried and left out of the grid: diloco_h1 (" in text and "final 2.5000 (seed 0)." in text
     )
     assert "| +10.5% (outside) | no | dense (1.7200) |" in text  # 1.9 / 1.72 - 1
+
+
+def _probe(method, rate, times, loss=1.5, ref=1.5):
+    reps = [{"step_s": t, "first_call": {"steps": 10, "train_s": 9.0},
+             "probe_check": {"step": 30, "probe_eval_loss": loss, "loopback_eval_loss": ref}}
+            for t in times]  # fmt: skip
+    return {"n": 2, "rate": rate, "method": method, "repeats": reps}
+
+
+def test_the_probes_so_far_are_tabled_per_method_and_link():
+    results = {**RESULTS, "probes": [
+        _probe("dense", "loopback", [0.21, 0.2, 0.25]),
+        _probe("dense", "10mbit", [2.9, 2.8, 3.1]),
+        _probe("bf16", "10mbit", [1.5, 1.4, 1.6], loss=1.5001),
+    ]}  # fmt: skip
+    text = lm_progress.report(results)
+    assert "| method | loopback | 10mbit |" in text  # links in the study's order
+    assert "| dense | 210 (200–250; 3) | 2900 (2800–3100; 3) |" in text
+    assert "| bf16 | — | 1500 (1400–1600; 3) ≠ |" in text  # its loss left the trajectory
+    assert "Probes so far" not in lm_progress.report(RESULTS)

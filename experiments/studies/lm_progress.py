@@ -15,7 +15,11 @@ time to target on any link, so this table gives quality only:
   (:data:`experiments.studies.lm_methods.COUNTERPART`);
 - variants tried and left out of the grid (:data:`~experiments.studies.lm_methods.TRIED`),
   below the table with their finals;
-- the counting models' losses on the same split.
+- the counting models' losses on the same split;
+- the shaped-link probes so far: each (method, link) cell's median step and
+  range over its probes, and whether each probe's loss equalled the loopback
+  trajectory's (no time to target: that needs every method's 3 seeds and
+  the validation runs).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import statistics
 
 from experiments.studies import verdict
 from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED
-from experiments.studies.report import ngram_line, running_time
+from experiments.studies.report import RATE_ORDER, cell_probes, ngram_line, running_time
 
 
 def finals(results: dict, n: int = 2) -> dict[str, dict[int, float]]:
@@ -117,6 +121,7 @@ def report(results: dict, n: int = 2) -> str:
                 f"Tried and left out of the grid: {m} ({why}), final {ends} "
                 f"(seed{'s' if len(by[m]) > 1 else ''} {', '.join(map(str, sorted(by[m])))}).",
             ]
+    lines += probes_table(results, n)
     ngram = ngram_line(results)
     if ngram:
         lines += ["", ngram]
@@ -124,3 +129,30 @@ def report(results: dict, n: int = 2) -> str:
     lines += ["", f"Running time so far: {rt['total_h']:.1f} h, the sum of every launched run's, "
               "probe's and validation run's wall clock in the JSON."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def probes_table(results: dict, n: int = 2) -> list[str]:
+    """Markdown lines: each probed (method, link) cell's median step in ms, its range and
+    probes, and whether the probes' losses equalled the loopback trajectory's."""
+    cells = cell_probes(results, n)
+    if not cells:
+        return []
+    rates = [r for r in RATE_ORDER if any(k[0] == r for k in cells)]
+    order = {m: i for i, m in enumerate(METHODS)}
+    methods = sorted({m for _, m in cells}, key=lambda m: order.get(m, len(order)))
+    lines = ["", f"Probes so far ({n} processes, seed 0's schedule, today's code): the median "
+             "step in ms (range; probes); ≠ marks a cell whose probe's validation loss differed "
+             "from the loopback trajectory's at the same step.", "",
+             "| method | " + " | ".join(rates) + " |", "|---|" + "---|" * len(rates)]  # fmt: skip
+    for m in methods:
+        row = []
+        for rate in rates:
+            c = cells.get((rate, m))
+            if c is None:
+                row.append("—")
+                continue
+            mark = " ≠" if c["trajectory_equal"] is False else ""
+            row.append(f"{1e3 * c['step_s']:.0f} ({1e3 * c['step_s_min']:.0f}–"
+                       f"{1e3 * c['step_s_max']:.0f}; {c['probes']}){mark}")  # fmt: skip
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return lines
