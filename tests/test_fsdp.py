@@ -492,3 +492,28 @@ def test_replicas_draw_their_own_stochastic_rounding_keys():
     keys = np.asarray(trainer.init(make_params()).comm_state.key)  # (replicas, workers, 2)
     assert keys.shape == (2, 4, 2)
     assert (keys[0] != keys[1]).any() and (keys[0] == keys[0, :1]).all()
+
+
+@pytest.mark.slow
+def test_the_lm_bench_trajectory_follows_the_study_harness(tmp_path):
+    """bench.fsdp's trajectories start from the study's init and draw the harness's batches:
+    dense FSDP's validation loss after 2 and 4 steps equals the study's own dense run's
+    (experiments.train on 2 workers, the same schedule stopped at step 4) within float32
+    reduction order; int8 weights and gradients leave it."""
+    from experiments import train
+    from experiments.bench import fsdp as bench
+    from experiments.configs import lm_shakespeare
+
+    config = lm_shakespeare.get_config("dense")
+    config.n_workers, config.stop_after, config.eval_every, config.steps_per_call = 2, 4, 2, 2
+    config.progress, config.plot = False, False
+    study = [r["eval_loss"] for r in train.train_and_evaluate(config, str(tmp_path)).metrics]
+    mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    runs = {v: bench.trajectory(v, mesh2, seed=config.seed, steps=4, eval_every=2)
+            for v in ("fsdp", "fsdp_q8w_q8g")}  # fmt: skip
+    assert [r["step"] for r in runs["fsdp"]["curve"]] == [2, 4]
+    got = [r["eval_loss"] for r in runs["fsdp"]["curve"]]
+    np.testing.assert_allclose(got, study[-2:], rtol=2e-5)
+    assert got[1] < got[0]  # it trained
+    q8 = [r["eval_loss"] for r in runs["fsdp_q8w_q8g"]["curve"]]
+    assert abs(q8[1] - got[1]) > 10 * abs(got[1] - study[-1])  # beyond the reduction order

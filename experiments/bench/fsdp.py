@@ -23,8 +23,16 @@ for shaped ones) is one ``experiments.launch`` of ``--processes`` processes.
 Command:
   python -m experiments.bench.fsdp --rates=loopback,100mbit --steps=30
 Output: ``--out`` (JSON) and a markdown table beside it.
-Time-to-target over the study's whole schedule is not measured here (the LM
-study's harness runs replicated state only).
+
+Time to target (``--seeds=0,1,2``; may share the cores, nothing in them is
+timed but the training calls' seconds, which the table does not use): each
+variant trains the LM study's whole schedule once per seed on loopback, from
+the study's init and on its batches (drawn as the harness draws them, so
+``fsdp`` and ``replicated`` follow the study's dense trajectory), its
+validation loss on the study's windows every ``eval_every`` steps, appended
+to ``--trajectories`` (resumed). The table beside it
+(:mod:`experiments.bench.fsdp_report`) gives each variant's finals against
+dense FSDP's and its estimated time to target on each link of ``--out``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -44,6 +54,7 @@ from absl import app, flags
 import jaxcomm
 from experiments import data as data_lib
 from experiments import optimizers, train
+from experiments.bench import fsdp_report
 from experiments.configs import lm_shakespeare
 from experiments.studies import runs
 from jaxcomm.parallel import is_worker_state
@@ -61,35 +72,60 @@ def define_flags() -> None:
     flags.DEFINE_integer("warmup", 5, "steps before timing (compile included)")
     flags.DEFINE_string("out", "experiments/results/fsdp.json", "JSON written")
     flags.DEFINE_string("worker", "", "internal: run the rows here and write this JSON")
+    flags.DEFINE_list(
+        "seeds",
+        [],
+        "trajectories instead of timing rows: each variant's whole "
+        "schedule once per seed, on loopback, appended to --trajectories",
+    )
+    flags.DEFINE_string(
+        "trajectories",
+        "experiments/results/fsdp_trajectories.json",
+        "JSON of the trajectories (resumed: a variant and seed in it is skipped)",
+    )
+    flags.DEFINE_integer("trajectory_steps", 0, "steps of a trajectory (0: the study's schedule)")
+    flags.DEFINE_integer("eval_every", 0, "steps between evaluations (0: the study's)")
 
 
-def setup(n: int):
-    """The study's model's params, its loss and a global-batch sampler for ``n`` workers."""
+def _study(n: int, seed: int | None = None):
+    """The study's dense config (``seed`` for its init and data), data, model and params."""
     config = lm_shakespeare.get_config("dense")
+    if seed is not None:
+        config.seed = seed
     ds = data_lib.load(config.data, n, seed=config.seed)
     model, params, _ = train.build_model(config, ds)
+    return config, ds, model, params
 
+
+def _loss(model):
     def loss_fn(p, batch):
         x, y = batch
         logits = model.apply({"params": p}, x, train=True)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+    return loss_fn
+
+
+def _sampler(config, ds, n: int):
+    """Step ``i``'s global batch: each worker's windows drawn as the study's harness draws
+    them (:func:`experiments.data.sample_batch`, the data key ``seed + 1`` folded with the
+    worker, then the step), worker after worker."""
     seq, per = config.data.seq_len, config.data.batch_size
+    data_key = jax.random.key(config.seed + 1)
+    draw = jax.jit(lambda x, w, i: data_lib.sample_batch(
+        x, None, jax.random.fold_in(data_key, w), i, per, seq))  # fmt: skip
 
     def batch(i: int):
-        """Step ``i``'s global batch: ``per`` windows from each worker's own stream (the same
-        for every row)."""
-        rng = np.random.default_rng([config.seed, i])
-        xs, ys = [], []
-        for w in range(n):
-            stream = np.asarray(ds.x_train[w])
-            starts = rng.integers(0, stream.shape[0] - seq - 1, per)
-            win = np.stack([stream[s : s + seq + 1] for s in starts])
-            xs.append(win[:, :-1])
-            ys.append(win[:, 1:])
+        xs, ys = zip(*(draw(ds.x_train[w], w, i) for w in range(n)))
         return np.concatenate(xs).astype(np.int32), np.concatenate(ys).astype(np.int32)
 
-    return params, loss_fn, batch
+    return batch
+
+
+def setup(n: int, seed: int | None = None):
+    """The study's model's params, its loss and a global-batch sampler for ``n`` workers."""
+    config, ds, model, params = _study(n, seed)
+    return params, _loss(model), _sampler(config, ds, n)
 
 
 def on_device(tree) -> int:
@@ -97,11 +133,23 @@ def on_device(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dict:
+class Trainer(NamedTuple):
+    """One variant built: its first state, ``run(state, batch) -> (state, loss)``, and
+    ``memory(state)``, ``wire(state, batch)`` (bytes a step sends), ``full(state)`` (the
+    whole model's params)."""
+
+    state: Any
+    run: Callable
+    memory: Callable
+    wire: Callable
+    full: Callable
+
+
+def build(name: str, mesh, params, loss_fn) -> Trainer:
+    """A variant (:data:`VARIANTS`) with the study's AdamW on its warm-up + cosine
+    schedule (element-wise: fsdp takes it as is)."""
     config = lm_shakespeare.get_config("dense")
-    # the study's AdamW on its warm-up + cosine schedule (element-wise: fsdp takes it as is)
     inner = optax.adamw(optimizers.learning_rate(config), **config.optimizer.kwargs)
-    n = mesh.size
     if name == "replicated":
         tx = optax.chain(jaxcomm.allreduce(axis_name=AXIS), inner)
 
@@ -110,9 +158,6 @@ def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dic
             loss, g = jax.value_and_grad(loss_fn)(p, b)
             u, s = tx.update(g, s, p)
             return optax.apply_updates(p, u), s, loss
-
-        state = (params, jaxcomm.init_state(tx, params, mesh))
-        sent = jaxcomm.wire_bytes(tx, params, n)
 
         def run(state, b):
             p, s, loss = step(*state, b)
@@ -126,36 +171,64 @@ def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dic
                 "opt_state": on_device(state[1]) - on_device(comm),
                 "comm_state": on_device(comm),
             }
-    else:
-        weights = {"fsdp_bf16w": "bfloat16", "fsdp_q8w": "int8", "fsdp_q8w_q8g": "int8"}
-        grads = None
-        if name == "fsdp_q8w_q8g":
-            grads = jaxcomm.int8(
-                axis_name=AXIS, error_feedback=True, exchange="reduce_scatter", min_size=0,
-                key=jax.random.key(0),
-            )  # fmt: skip
-        trainer = jaxcomm.fsdp(
-            loss_fn, inner, mesh, weights=weights.get(name, "float32"), gradients=grads
-        )
-        state = trainer.init(params)
-        run, memory = trainer.step, trainer.memory
-        sent = None
-    times, loss = [], None
+
+        sent = jaxcomm.wire_bytes(tx, params, mesh.size)
+        state = (params, jaxcomm.init_state(tx, params, mesh))
+        return Trainer(state, run, memory, lambda *_: sent, lambda state: state[0])
+    weights = {"fsdp_bf16w": "bfloat16", "fsdp_q8w": "int8", "fsdp_q8w_q8g": "int8"}
+    grads = None
+    if name == "fsdp_q8w_q8g":
+        grads = jaxcomm.int8(
+            axis_name=AXIS, error_feedback=True, exchange="reduce_scatter", min_size=0,
+            key=jax.random.key(0),
+        )  # fmt: skip
+    trainer = jaxcomm.fsdp(
+        loss_fn, inner, mesh, weights=weights.get(name, "float32"), gradients=grads
+    )
+    return Trainer(
+        trainer.init(params), trainer.step, trainer.memory,
+        lambda state, b: sum(c.nbytes for c in trainer.wire_report(state, b)), trainer.params,
+    )  # fmt: skip
+
+
+def row(name: str, mesh, params, loss_fn, batch, steps: int, warmup: int) -> dict:
+    t = build(name, mesh, params, loss_fn)
+    state, times, loss = t.state, [], None
     b = batch(0)
     for i in range(warmup + steps):
-        t = time.perf_counter()
-        state, loss = run(state, b)
+        start = time.perf_counter()
+        state, loss = t.run(state, b)
         jax.block_until_ready(loss)
         if i >= warmup:
-            times.append(time.perf_counter() - t)
+            times.append(time.perf_counter() - start)
         b = batch(i + 1)
-    if sent is None:
-        sent = sum(c.nbytes for c in trainer.wire_report(state, b))
     return {
-        "variant": name, "bytes_per_step": int(sent), **memory(state),
+        "variant": name, "bytes_per_step": int(t.wire(state, b)), **t.memory(state),
         "step_ms": 1e3 * statistics.median(times), "step_ms_min": 1e3 * min(times),
         "step_ms_max": 1e3 * max(times), "loss": float(np.asarray(loss)),
     }  # fmt: skip
+
+
+def trajectory(name: str, mesh, seed: int, steps: int, eval_every: int) -> dict:
+    """``steps`` of the study's schedule from seed ``seed``'s init and data: the validation
+    loss (the study's windows, :func:`experiments.train.make_eval`) every ``eval_every``
+    steps and at the last, with the training calls' seconds so far."""
+    config, ds, model, params = _study(mesh.size, seed)
+    loss_fn, batch = _loss(model), _sampler(config, ds, mesh.size)
+    t = build(name, mesh, params, loss_fn)
+    evaluate = train.make_eval(model, ds, config.get("eval_batch_size", 1024))
+    state, curve, train_s = t.state, [], 0.0
+    for i in range(steps):
+        b = batch(i)
+        start = time.perf_counter()
+        state, loss = t.run(state, b)
+        jax.block_until_ready(loss)
+        train_s += time.perf_counter() - start
+        if (i + 1) % eval_every == 0 or i + 1 == steps:
+            local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), t.full(state))
+            curve.append({"step": i + 1, "loss": float(np.asarray(loss)),
+                          **evaluate(local, None), "train_s": train_s})  # fmt: skip
+    return {"variant": name, "seed": seed, "steps": steps, "curve": curve}
 
 
 def worker(out: str) -> None:
@@ -163,10 +236,62 @@ def worker(out: str) -> None:
 
     info = distributed.initialize()
     mesh = distributed.global_mesh(AXIS)
+    if FLAGS.seeds:  # one trajectory: one variant, one seed
+        steps, every = _schedule()
+        run = trajectory(FLAGS.variants[0], mesh, int(FLAGS.seeds[0]), steps, every)
+        if info.process_id == 0:
+            runs.save_json(out, run)
+        return
     params, loss_fn, batch = setup(mesh.size)
     rows = [row(v, mesh, params, loss_fn, batch, FLAGS.steps, FLAGS.warmup) for v in FLAGS.variants]
     if info.process_id == 0:
         runs.save_json(out, {"processes": info.num_processes, "rows": rows})
+
+
+def _schedule() -> tuple[int, int]:
+    """A trajectory's steps and evaluation period (the flags', else the study's)."""
+    config = lm_shakespeare.get_config("dense")
+    return (FLAGS.trajectory_steps or config.num_train_steps,
+            FLAGS.eval_every or config.eval_every)  # fmt: skip
+
+
+def _launch(rate: str, out: str, *args: str) -> None:
+    argv = [
+        sys.executable, "-m", "experiments.launch", f"--processes={FLAGS.processes}",
+        "--devices_per_process=1", *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
+        sys.executable, "-m", "experiments.bench.fsdp", f"--worker={out}", *args,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+
+
+def trajectories() -> dict:
+    """Every variant x seed not yet in ``--trajectories``, one launch each, saved after each."""
+    steps, every = _schedule()
+    path = FLAGS.trajectories
+    traj = {"processes": FLAGS.processes, "steps": steps, "eval_every": every, "runs": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            traj = json.load(f)
+        if (traj["processes"], traj["steps"], traj["eval_every"]) != (FLAGS.processes, steps,
+                                                                       every):  # fmt: skip
+            raise ValueError(f"--trajectories={path} holds another schedule or process count")
+    done = {(r["variant"], r["seed"]) for r in traj["runs"]}
+    for seed in map(int, FLAGS.seeds):
+        for v in FLAGS.variants:
+            if (v, seed) in done:
+                continue
+            tmp, start = f"{path}.part", time.perf_counter()
+            _launch("loopback", tmp, f"--variants={v}", f"--seeds={seed}",
+                    f"--trajectory_steps={steps}", f"--eval_every={every}")  # fmt: skip
+            with open(tmp) as f:
+                run = json.load(f)
+            os.remove(tmp)
+            traj["runs"].append({**run, "process_wall_s": time.perf_counter() - start})
+            runs.save_json(path, traj)
+            print(f"{v} seed {seed}: val {run['curve'][-1]['eval_loss']:.4f}", flush=True)
+    return traj
 
 
 def markdown(results: dict) -> str:
@@ -198,21 +323,22 @@ def main(argv) -> None:
     if FLAGS.worker:
         worker(FLAGS.worker)
         return
+    if FLAGS.seeds:
+        traj = trajectories()
+        timing = None
+        if os.path.exists(FLAGS.out):
+            with open(FLAGS.out) as f:
+                timing = json.load(f)
+        text = fsdp_report.markdown(traj, timing)
+        with open(os.path.splitext(FLAGS.trajectories)[0] + ".md", "w") as f:
+            f.write(text)
+        print(text)
+        return
     results = {"processes": FLAGS.processes, "links": []}
     for rate in FLAGS.rates:
         tmp = f"{FLAGS.out}.{rate}.part"
-        argv = [
-            sys.executable, "-m", "experiments.launch", f"--processes={FLAGS.processes}",
-            "--devices_per_process=1", *([] if rate == "loopback" else [f"--rate={rate}"]), "--",
-            sys.executable, "-m", "experiments.bench.fsdp", f"--worker={tmp}",
-            f"--variants={','.join(FLAGS.variants)}", f"--steps={FLAGS.steps}",
-            f"--warmup={FLAGS.warmup}",
-        ]  # fmt: skip
-        proc = subprocess.run(argv, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"{' '.join(argv)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-            )
+        _launch(rate, tmp, f"--variants={','.join(FLAGS.variants)}", f"--steps={FLAGS.steps}",
+                f"--warmup={FLAGS.warmup}")  # fmt: skip
         with open(tmp) as f:
             part = json.load(f)
         os.remove(tmp)

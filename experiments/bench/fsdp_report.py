@@ -1,0 +1,88 @@
+"""The time-to-target table of :mod:`experiments.bench.fsdp`'s trajectories (no runs).
+
+Each variant's trajectories (the LM study's whole schedule, one run a seed, on
+loopback) give its final validation loss and its steps to a target; the
+target is :func:`experiments.studies.verdict.choose_target` over dense FSDP's
+(``fsdp``) seeds, as the LM study takes it over dense's. A link's time to
+target is an estimate: the median steps to target times the variant's median
+step on that link from the timing rows (``fsdp.json``).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from experiments.studies import verdict
+
+BASE = "fsdp"  # dense FSDP: every variant's counterpart
+
+
+def _by_variant(traj: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in sorted(traj["runs"], key=lambda r: r["seed"]):
+        out.setdefault(r["variant"], []).append(r)
+    return out
+
+
+def _steps(step_ms: dict[str, float], variant: str, steps: float | None) -> str:
+    if steps is None or variant not in step_ms:
+        return "—"
+    return f"{steps * step_ms[variant] / 1e3:.0f}"
+
+
+def markdown(traj: dict, timing: dict | None = None) -> str:
+    """Per variant: seeds, finals, median against dense FSDP's, steps to target, and per
+    timed link the estimated seconds to target and the ratio to dense FSDP's."""
+    runs = _by_variant(traj)
+    links = [(link["rate"], {r["variant"]: r["step_ms"] for r in link["rows"]})
+             for link in (timing or {}).get("links", [])]  # fmt: skip
+    lines = [
+        f"Time to target, {traj['processes']} processes: each variant trained for the LM "
+        f"study's schedule ({traj['steps']} steps) on loopback, its validation loss every "
+        f"{traj['eval_every']} steps; seconds to target are estimates (median steps to target "
+        "x the variant's median step on that link, from the timing rows above).",
+        "",
+    ]
+    base = runs.get(BASE, [])
+    if len(base) < verdict.MIN_SEEDS:
+        have = ", ".join(f"{v} {len(rs)}" for v, rs in runs.items())
+        return "\n".join(
+            lines
+            + [
+                f"No target yet: {BASE} has {len(base)} of "
+                f"{verdict.MIN_SEEDS} seeds (seeds so far: {have}).",
+                "",
+            ]
+        )
+    tgt = verdict.choose_target([r["curve"] for r in base], traj["steps"])
+    base_finals = [r["curve"][-1]["eval_loss"] for r in base]
+    lines += [
+        f"Target {tgt['target']:.4f} nats/byte ({tgt['rule']}).",
+        "",
+        "| variant | seeds | finals | median | vs fsdp (band 2%) | steps to target | "
+        + " | ".join(f"{rate} s (x fsdp)" for rate, _ in links)
+        + (" |" if links else "|"),
+        "|---|---|---|---|---|---|" + "---|" * len(links),
+    ]
+    medians = {}
+    for v, rs in runs.items():
+        first = [verdict.first_reach(r["curve"], tgt["target"], "eval_loss", True) for r in rs]
+        steps = [r["curve"][i]["step"] for r, i in zip(rs, first) if i >= 0]
+        medians[v] = statistics.median(steps) if len(steps) == len(rs) else None
+    for v, rs in runs.items():
+        finals = [r["curve"][-1]["eval_loss"] for r in rs]
+        q = verdict.quality(finals, base_finals)
+        band = "—" if v == BASE else (
+            f"{q['worse_by']:+.1%} ({'within' if q['within_band'] else 'outside'})")  # fmt: skip
+        reach = "not reached" if medians[v] is None else f"{medians[v]:.0f}"
+        cells = []
+        for _, step_ms in links:
+            t, ref = _steps(step_ms, v, medians[v]), _steps(step_ms, BASE, medians[BASE])
+            ratio = f" ({float(ref) / float(t):.2f}x)" if "—" not in (t, ref) and v != BASE else ""
+            cells.append(t + ratio)
+        lines.append(
+            f"| {v} | {', '.join(str(r['seed']) for r in rs)} | "
+            f"{' / '.join(f'{x:.4f}' for x in finals)} | {statistics.median(finals):.4f} | "
+            f"{band} | {reach} |" + "".join(f" {c} |" for c in cells)
+        )
+    return "\n".join(lines) + "\n"
