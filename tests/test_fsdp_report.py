@@ -43,4 +43,5 @@ def test_time_to_target_from_the_dense_fsdp_target_and_each_links_step():
 def test_no_target_before_dense_fsdp_has_three_seeds():
     few = {**TRAJ, "runs": [r for r in TRAJ["runs"] if (r["variant"], r["seed"]) != ("fsdp", 2)]}
     text = fsdp_report.markdown(few, TIMING)
-    assert "No target yet: fsdp has 2 of 3 seeds" in text and "| fsdp |" not in text
+    assert "No target yet: fsdp has 2 of 3 seeds." in text and "Target" not in text
+    assert "| fsdp | 0, 1 | 1.7000 / 1.7200 |" in text and "| fsdp_bf16w | 0 | 1.9000 |" in text

@@ -56,7 +56,7 @@ from experiments import data as data_lib
 from experiments import optimizers, train
 from experiments.bench import fsdp_report
 from experiments.configs import lm_shakespeare
-from experiments.studies import runs
+from experiments.studies import runs, tables
 from jaxcomm.parallel import is_worker_state
 
 FLAGS = flags.FLAGS
@@ -330,9 +330,11 @@ def main(argv) -> None:
             with open(FLAGS.out) as f:
                 timing = json.load(f)
         text = fsdp_report.markdown(traj, timing)
-        with open(os.path.splitext(FLAGS.trajectories)[0] + ".md", "w") as f:
-            f.write(text)
         print(text)
+        if os.path.abspath(FLAGS.trajectories) == os.path.join(
+            tables.RESULTS, "fsdp_trajectories.json"
+        ):
+            tables.main([])  # its .md, generated beside the JSON
         return
     results = {"processes": FLAGS.processes, "links": []}
     for rate in FLAGS.rates:

@@ -40,20 +40,17 @@ def markdown(traj: dict, timing: dict | None = None) -> str:
         f"Time to target, {traj['processes']} processes: each variant trained for the LM "
         f"study's schedule ({traj['steps']} steps) on loopback, its validation loss every "
         f"{traj['eval_every']} steps; seconds to target are estimates (median steps to target "
-        "x the variant's median step on that link, from the timing rows above).",
+        "x the variant's median step on that link, from the timing rows in `fsdp.json`).",
         "",
     ]
     base = runs.get(BASE, [])
-    if len(base) < verdict.MIN_SEEDS:
-        have = ", ".join(f"{v} {len(rs)}" for v, rs in runs.items())
-        return "\n".join(
-            lines
-            + [
-                f"No target yet: {BASE} has {len(base)} of "
-                f"{verdict.MIN_SEEDS} seeds (seeds so far: {have}).",
-                "",
-            ]
-        )
+    if len(base) < verdict.MIN_SEEDS:  # the finals so far, nothing judged
+        lines += [f"No target yet: {BASE} has {len(base)} of {verdict.MIN_SEEDS} seeds.", "",
+                  "| variant | seeds | finals |", "|---|---|---|"]  # fmt: skip
+        for v, rs in runs.items():
+            finals = " / ".join(f"{r['curve'][-1]['eval_loss']:.4f}" for r in rs)
+            lines.append(f"| {v} | {', '.join(str(r['seed']) for r in rs)} | {finals} |")
+        return "\n".join(lines) + "\n"
     tgt = verdict.choose_target([r["curve"] for r in base], traj["steps"])
     base_finals = [r["curve"][-1]["eval_loss"] for r in base]
     lines += [

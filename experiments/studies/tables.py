@@ -29,6 +29,7 @@ from experiments.bench import (
     auto_report,
     buckets,
     floor,
+    fsdp_report,
     goodput_report,
     overlap,
     step_parts_report,
@@ -44,6 +45,11 @@ BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- /generated: \2 -->)
 def _load(name: str) -> dict:
     with open(os.path.join(RESULTS, name)) as f:
         return json.load(f)
+
+
+def _fsdp_trajectories() -> str:
+    timing = _load("fsdp.json") if os.path.exists(os.path.join(RESULTS, "fsdp.json")) else None
+    return fsdp_report.markdown(_load("fsdp_trajectories.json"), timing)
 
 
 def _lm_study() -> str:
@@ -157,6 +163,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "auto": _auto,
     "buckets": _buckets,
     "floor": _floor,
+    "fsdp_trajectories": _fsdp_trajectories,
     "goodput": _goodput,
     "headlines": _headlines,
     "lm_study": _lm_study,
@@ -175,6 +182,11 @@ DOCUMENTS = {
     "auto": ("auto.md", "auto.json", "jaxcomm.auto on shaped links (2 processes)"),
     "buckets": ("buckets.md", "buckets.json", "Bucketed against per-leaf exchange (2 processes)"),
     "floor": ("floor.md", "floor.json", "Sparsifiers at the floor (fake CPU devices, two layouts)"),
+    "fsdp_trajectories": (
+        "fsdp_trajectories.md",
+        "fsdp_trajectories.json",
+        "Sharded training (FSDP) on the LM study: time to target",
+    ),
     "goodput": (
         "goodput.md",
         "goodput.json",
