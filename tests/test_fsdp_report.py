@@ -13,6 +13,7 @@ def _run(variant, seed, final, steps=2000, every=100):
 TRAJ = {"processes": 2, "steps": 2000, "eval_every": 100, "runs": [
     *[_run("fsdp", s, f) for s, f in enumerate((1.70, 1.72, 1.74))],
     *[_run("fsdp_q8w_q8g", s, 1.60) for s in range(3)],
+    *[_run("fsdp_q8w", s, 1.76) for s in range(3)],  # 2.3% worse than dense: outside
     _run("fsdp_bf16w", 0, 1.90),
 ]}  # fmt: skip
 TIMING = {
@@ -22,6 +23,7 @@ TIMING = {
             "rows": [
                 {"variant": "fsdp", "step_ms": 100.0},
                 {"variant": "fsdp_q8w_q8g", "step_ms": 50.0},
+                {"variant": "fsdp_q8w", "step_ms": 40.0},
             ],
         }
     ]
@@ -38,6 +40,17 @@ def test_time_to_target_from_the_dense_fsdp_target_and_each_links_step():
     assert "| fsdp_q8w_q8g | 0, 1, 2 | 1.6000 / 1.6000 / 1.6000 | 1.6000 | -7.0% (within) " \
            "| 1800 | 90 (2.22x) |" in text  # fmt: skip
     assert "| fsdp_bf16w | 0 | 1.9000 | 1.9000 | +10.5% (outside) | not reached | — |" in text
+    # outside the band: seconds (2000 x 40 ms), no ratio beside them
+    assert "| +2.3% (outside) | 2000 | 80 (ends worse by 2.3%: no ratio) |" in text
+
+
+def test_without_timing_rows_the_table_keeps_its_columns():
+    text = fsdp_report.markdown(TRAJ)
+    head = next(x for x in text.splitlines() if x.startswith("| variant"))
+    rule = next(x for x in text.splitlines() if x.startswith("|---"))
+    assert head.count("|") == rule.count("|") == 7  # six columns, no link
+    assert "| fsdp_q8w_q8g | 0, 1, 2 | 1.6000 / 1.6000 / 1.6000 | 1.6000 | -7.0% (within) " \
+           "| 1800 |" in text  # fmt: skip
 
 
 def test_no_target_before_dense_fsdp_has_three_seeds():

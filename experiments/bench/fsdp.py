@@ -145,7 +145,7 @@ class Trainer(NamedTuple):
     full: Callable
 
 
-def build(name: str, mesh, params, loss_fn) -> Trainer:
+def build(name: str, mesh, params, loss_fn, seed: int = 0) -> Trainer:
     """A variant (:data:`VARIANTS`) with the study's AdamW on its warm-up + cosine
     schedule (element-wise: fsdp takes it as is)."""
     config = lm_shakespeare.get_config("dense")
@@ -180,7 +180,7 @@ def build(name: str, mesh, params, loss_fn) -> Trainer:
     if name == "fsdp_q8w_q8g":
         grads = jaxcomm.int8(
             axis_name=AXIS, error_feedback=True, exchange="reduce_scatter", min_size=0,
-            key=jax.random.key(0),
+            key=jax.random.key(seed),  # the stochastic rounding's: one stream per seed
         )  # fmt: skip
     trainer = jaxcomm.fsdp(
         loss_fn, inner, mesh, weights=weights.get(name, "float32"), gradients=grads
@@ -215,7 +215,7 @@ def trajectory(name: str, mesh, seed: int, steps: int, eval_every: int) -> dict:
     steps and at the last, with the training calls' seconds so far."""
     config, ds, model, params = _study(mesh.size, seed)
     loss_fn, batch = _loss(model), _sampler(config, ds, mesh.size)
-    t = build(name, mesh, params, loss_fn)
+    t = build(name, mesh, params, loss_fn, seed)
     evaluate = train.make_eval(model, ds, config.get("eval_batch_size", 1024))
     state, curve, train_s = t.state, [], 0.0
     for i in range(steps):
@@ -283,6 +283,8 @@ def trajectories() -> dict:
             if (v, seed) in done:
                 continue
             tmp, start = f"{path}.part", time.perf_counter()
+            if os.path.exists(tmp):  # an earlier launch's, stopped before it was read
+                os.remove(tmp)
             _launch("loopback", tmp, f"--variants={v}", f"--seeds={seed}",
                     f"--trajectory_steps={steps}", f"--eval_every={every}")  # fmt: skip
             with open(tmp) as f:

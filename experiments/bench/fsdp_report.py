@@ -24,10 +24,24 @@ def _by_variant(traj: dict) -> dict[str, list[dict]]:
     return out
 
 
-def _steps(step_ms: dict[str, float], variant: str, steps: float | None) -> str:
+def _seconds(step_ms: dict[str, float], variant: str, steps: float | None) -> float | None:
+    """Estimated seconds to target: median steps to target x the link's median step."""
     if steps is None or variant not in step_ms:
+        return None
+    return steps * step_ms[variant] / 1e3
+
+
+def _time_cell(t: float | None, ref: float | None, q: dict | None) -> str:
+    """One link's cell: seconds, and the ratio to dense FSDP's only for a variant whose
+    median final is within the band (else how much worse it ends, as the LM study does)."""
+    if t is None:
         return "—"
-    return f"{steps * step_ms[variant] / 1e3:.0f}"
+    text = f"{t:.0f}" if t >= 1 else f"{t:.2f}"
+    if q is None or ref is None:
+        return text
+    if not q["within_band"]:
+        return f"{text} (ends worse by {verdict.worse_text(q['worse_by'])}: no ratio)"
+    return f"{text} ({ref / t:.2f}x)" if t > 0 else text
 
 
 def markdown(traj: dict, timing: dict | None = None) -> str:
@@ -56,9 +70,15 @@ def markdown(traj: dict, timing: dict | None = None) -> str:
     lines += [
         f"Target {tgt['target']:.4f} nats/byte ({tgt['rule']}).",
         "",
-        "| variant | seeds | finals | median | vs fsdp (band 2%) | steps to target | "
-        + " | ".join(f"{rate} s (x fsdp)" for rate, _ in links)
-        + (" |" if links else "|"),
+        "| variant | seeds | finals | median | "
+        + " | ".join(
+            [
+                f"vs fsdp (band {verdict.QUALITY_BAND:.0%})",
+                "steps to target",
+                *(f"{rate} s (x fsdp)" for rate, _ in links),
+            ]
+        )  # fmt: skip
+        + " |",
         "|---|---|---|---|---|---|" + "---|" * len(links),
     ]
     medians = {}
@@ -72,11 +92,14 @@ def markdown(traj: dict, timing: dict | None = None) -> str:
         band = "—" if v == BASE else (
             f"{q['worse_by']:+.1%} ({'within' if q['within_band'] else 'outside'})")  # fmt: skip
         reach = "not reached" if medians[v] is None else f"{medians[v]:.0f}"
-        cells = []
-        for _, step_ms in links:
-            t, ref = _steps(step_ms, v, medians[v]), _steps(step_ms, BASE, medians[BASE])
-            ratio = f" ({float(ref) / float(t):.2f}x)" if "—" not in (t, ref) and v != BASE else ""
-            cells.append(t + ratio)
+        cells = [
+            _time_cell(
+                _seconds(step_ms, v, medians[v]),
+                _seconds(step_ms, BASE, medians[BASE]),
+                None if v == BASE else q,
+            )  # fmt: skip
+            for _, step_ms in links
+        ]
         lines.append(
             f"| {v} | {', '.join(str(r['seed']) for r in rs)} | "
             f"{' / '.join(f'{x:.4f}' for x in finals)} | {statistics.median(finals):.4f} | "

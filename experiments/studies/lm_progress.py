@@ -139,7 +139,8 @@ def probes_table(results: dict, n: int = 2) -> list[str]:
         return []
     rates = [r for r in RATE_ORDER if any(k[0] == r for k in cells)]
     order = {m: i for i, m in enumerate(METHODS)}
-    methods = sorted({m for _, m in cells}, key=lambda m: order.get(m, len(order)))
+    shown = {m for _, m in cells if m not in TRIED}
+    methods = sorted(shown, key=lambda m: order.get(m, len(order)))
     lines = ["", f"Probes so far ({n} processes, seed 0's schedule, today's code): the median "
              "step in ms (range; probes); ≠ marks a cell whose probe's validation loss differed "
              "from the loopback trajectory's at the same step.", "",
