@@ -286,6 +286,13 @@ def load(cfg, n_workers: int, *, seed: int) -> Dataset:
     raise ValueError(f"config.data.name: unknown {cfg.name!r}; choose from {list(DATASETS)}")
 
 
+def worker_key(seed: int, worker) -> jax.Array:
+    """The data key of ``worker`` (an int, or ``lax.axis_index`` traced) in a run of
+    ``seed``: ``fold_in(key(seed + 1), worker)``. Every trainer that must draw the
+    harness's batches (:func:`sample_batch` with this key, then the step) takes it here."""
+    return jax.random.fold_in(jax.random.key(seed + 1), worker)
+
+
 def sample_batch(
     x: jax.Array,
     y: jax.Array | None,

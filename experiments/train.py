@@ -164,13 +164,12 @@ def make_train_call(model, tx, mesh, ds: data_lib.Dataset, config) -> Callable:
     """
     loss_fn = _loss_fn(model, ds.is_lm)
     batch_size, seq_len = config.data.batch_size, ds.seq_len
-    data_key = jax.random.key(config.seed + 1)
 
     def call(state: TrainState, x, y):
         state = jax.tree.map(lambda a: a[0], state)
         x = x[0]
         y = None if y is None else y[0]
-        key = jax.random.fold_in(data_key, jax.lax.axis_index(AXIS))
+        key = data_lib.worker_key(config.seed, jax.lax.axis_index(AXIS))
 
         def body(s: TrainState, _):
             if batch_size:

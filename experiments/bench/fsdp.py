@@ -108,12 +108,11 @@ def _loss(model):
 
 def _sampler(config, ds, n: int):
     """Step ``i``'s global batch: each worker's windows drawn as the study's harness draws
-    them (:func:`experiments.data.sample_batch`, the data key ``seed + 1`` folded with the
-    worker, then the step), worker after worker."""
+    them (:func:`experiments.data.sample_batch` with
+    :func:`experiments.data.worker_key`, then the step), worker after worker."""
     seq, per = config.data.seq_len, config.data.batch_size
-    data_key = jax.random.key(config.seed + 1)
     draw = jax.jit(lambda x, w, i: data_lib.sample_batch(
-        x, None, jax.random.fold_in(data_key, w), i, per, seq))  # fmt: skip
+        x, None, data_lib.worker_key(config.seed, w), i, per, seq))  # fmt: skip
 
     def batch(i: int):
         xs, ys = zip(*(draw(ds.x_train[w], w, i) for w in range(n)))

@@ -26,7 +26,7 @@ def inner_steps_fn(model, inner, ds, config, replica: int, steps: int):
     """jit((params, inner_state, start) -> (params, inner_state, mean loss)): ``steps`` steps.
 
     Step ``start + t`` draws the batch the harness's worker ``replica`` draws at
-    that step (``data.sample_batch`` with ``fold_in(key(seed + 1), replica)``).
+    that step (``data.sample_batch`` with ``data.worker_key(seed, replica)``).
     """
     import jax
     import jax.numpy as jnp
@@ -35,7 +35,7 @@ def inner_steps_fn(model, inner, ds, config, replica: int, steps: int):
     from experiments import data as data_lib
 
     x = jnp.asarray(ds.x_train[replica])
-    key = jax.random.fold_in(jax.random.key(config.seed + 1), replica)
+    key = data_lib.worker_key(config.seed, replica)
     batch, seq_len = config.data.batch_size, ds.seq_len
 
     def loss_fn(p, bx, by):

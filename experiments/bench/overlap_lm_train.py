@@ -77,7 +77,6 @@ def rule_of(config) -> jaxcomm.loco.StreamingDiLoCo:
 def make_step(model, tx, mesh, ds: data_lib.Dataset, config):
     """One inner step per call, per worker: ``(params, opt_state, x, y, step) -> (params,
     opt_state, loss, step + 1)``, every leaf with a leading worker axis (no collective)."""
-    data_key = jax.random.key(config.seed + 1)
     batch, seq = config.data.batch_size, ds.seq_len
 
     def loss_fn(params, x, y):
@@ -85,7 +84,7 @@ def make_step(model, tx, mesh, ds: data_lib.Dataset, config):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     def step(params, opt_state, x, y, count):
-        key = jax.random.fold_in(data_key, jax.lax.axis_index(AXIS))
+        key = data_lib.worker_key(config.seed, jax.lax.axis_index(AXIS))
         bx, by = data_lib.sample_batch(x, y, key, count, batch, seq)
         loss, grads = jax.value_and_grad(loss_fn)(params, bx, by)
         updates, opt_state = tx.update(grads, opt_state, params)

@@ -96,6 +96,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments import data as data_lib
+
 EPS = 1e-6  # flax.linen.LayerNorm's epsilon
 TRUNC_STD = 0.87962566103423978  # stddev of a unit normal truncated to [-2, 2] (as jax's)
 
@@ -309,10 +311,10 @@ def batch_starts(
 ) -> np.ndarray:
     """``(len(steps), batch_size)`` window starts: ``data.sample_batch``'s for ``worker``.
 
-    ``seed`` is ``config.seed`` (the harness's data key is ``key(seed + 1)``);
+    ``seed`` is ``config.seed`` (the key: :func:`experiments.data.worker_key`);
     ``stream_len`` the length of the worker's stream.
     """
-    key = jax.random.fold_in(jax.random.key(seed + 1), worker)
+    key = data_lib.worker_key(seed, worker)
     high = stream_len - seq_len - 1
     draw = lambda s: jax.random.randint(jax.random.fold_in(key, s), (batch_size,), 0, high)
     steps = np.asarray(list(steps), np.int32)
