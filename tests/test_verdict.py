@@ -449,3 +449,18 @@ def test_worse_text_adds_a_digit_where_one_would_round_onto_the_band():
     assert verdict.worse_text(0.0196) == "1.96%"  # inside it, not "2.0%" either
     assert verdict.worse_text(0.034) == "3.4%" and verdict.worse_text(0.0116) == "1.2%"
     assert verdict.worse_text(-0.025) == "-2.5%"
+
+
+def test_a_tried_variant_is_neither_a_row_nor_a_gap(monkeypatch):
+    monkeypatch.setattr(report, "TRIED", {"fast": "tried, left out"})
+    study = fake_study()
+    done, missing = report.complete_groups(study)
+    assert "fast" not in done[2] and "slow" in done[2] and 2 not in missing
+    assert "fast" not in report.lm_verdicts(study)[2]["methods"]
+    said = "Tried and left out of the grid: fast (tried, left out), final 2.0000 / 2.1000 / 2.0500"
+    assert said in report.lm_markdown(study)
+    # one seed of a method in the grid is a gap; of a tried variant, nothing
+    study["runs"].append({"n": 2, "method": "once", "seed": 0, "curve": curve(decay(2.0))})
+    assert report.complete_groups(study)[1][2] == "once 1 of 3 seeds"
+    study["runs"] = [r for r in study["runs"] if (r["method"], r["seed"]) != ("fast", 1)]
+    assert report.complete_groups(study)[1][2] == "once 1 of 3 seeds"

@@ -28,7 +28,13 @@ import statistics
 
 from experiments.studies import verdict
 from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED
-from experiments.studies.report import RATE_ORDER, cell_probes, ngram_line, running_time
+from experiments.studies.report import (
+    RATE_ORDER,
+    cell_probes,
+    ngram_line,
+    running_time,
+    tried_lines,
+)
 
 
 def finals(results: dict, n: int = 2) -> dict[str, dict[int, float]]:
@@ -112,15 +118,7 @@ def report(results: dict, n: int = 2) -> str:
                      f"{', '.join(map(str, dense['seeds']))}.")  # fmt: skip
     else:
         lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
-    by = finals(results, n)
-    for m, why in TRIED.items():
-        if m in by:
-            ends = " / ".join(f"{by[m][s]:.4f}" for s in sorted(by[m]))
-            lines += [
-                "",
-                f"Tried and left out of the grid: {m} ({why}), final {ends} "
-                f"(seed{'s' if len(by[m]) > 1 else ''} {', '.join(map(str, sorted(by[m])))}).",
-            ]
+    lines += tried_lines(results, n)
     lines += probes_table(results, n)
     ngram = ngram_line(results)
     if ngram:

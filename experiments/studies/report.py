@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import verdict
-from experiments.studies.lm_methods import COUNTERPART, peak_factor
+from experiments.studies.lm_methods import COUNTERPART, TRIED, peak_factor
 
 RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
 RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s",
@@ -98,15 +98,35 @@ def time_axis(curve: list[dict], probe: dict | None, val: dict | None) -> tuple[
     return [r["eval_loss"] for r in curve], [seed_time(curve, i, probe) for i in range(len(curve))]
 
 
+def tried_lines(results: dict, n: int) -> list[str]:
+    """Markdown lines naming each variant tried and left out of the grid
+    (:data:`~experiments.studies.lm_methods.TRIED`) that ran on ``n`` processes: why,
+    and its finals by seed."""
+    by: dict[str, dict[int, float]] = {}
+    for r in results["runs"]:
+        if r.get("n", 2) == n and r["method"] in TRIED and r.get("curve"):
+            by.setdefault(r["method"], {})[r["seed"]] = r["curve"][-1]["eval_loss"]
+    lines = []
+    for m, why in TRIED.items():
+        if m in by:
+            ends = " / ".join(f"{by[m][s]:.4f}" for s in sorted(by[m]))
+            seeds = ", ".join(map(str, sorted(by[m])))
+            lines += ["", f"Tried and left out of the grid: {m} ({why}), final {ends} "
+                      f"(seed{'s' if len(by[m]) > 1 else ''} {seeds})."]  # fmt: skip
+    return lines
+
+
 def complete_groups(results: dict) -> tuple[dict[int, list[str]], dict[int, str]]:
     """Per process count, the methods with every seed run (dense among them), and the gaps.
 
     A process count is reported when dense has :data:`verdict.MIN_SEEDS` seeds;
-    a method with fewer is left out of its table, and named in the gaps.
+    a method with fewer is left out of its table, and named in the gaps. Variants
+    tried and left out of the grid (:data:`~experiments.studies.lm_methods.TRIED`)
+    are neither: their runs are shown apart, whatever their seeds.
     """
     done, missing = {}, {}
     for n in sorted({r["n"] for r in results["runs"]}):
-        runs = [r for r in results["runs"] if r["n"] == n]
+        runs = [r for r in results["runs"] if r["n"] == n and r["method"] not in TRIED]
         methods = list(dict.fromkeys(r["method"] for r in runs))
         seeds = {m: {r["seed"] for r in runs if r["method"] == m} for m in methods}
         full = [m for m in methods if len(seeds[m]) >= verdict.MIN_SEEDS]
@@ -205,7 +225,8 @@ def lm_verdicts(results: dict) -> dict:
                     at = [verdict.value_at(ls, ts, t) for ls, ts in axes[m, rate]] if t else []
                     cell[key] = statistics.median(at) if at and None not in at else None
                 # a counterpart other than dense (whose ratio is the cell's own)
-                ref = rows.get(COUNTERPART.get(m, ""), {}) if COUNTERPART.get(m) != "dense" else {}
+                cp = COUNTERPART.get(m)
+                ref = rows.get(cp, {}) if cp not in (None, "dense") else {}
                 cell["speedup_counterpart"] = (
                     verdict.speedup(ref["links"][rate], cell)
                     if ref and rate in ref["links"] and cell["speedup"] is not None
@@ -454,6 +475,7 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
         lines += _time_table(v, methods) + ref
         lines += _checks_table(v, methods)
         lines += _loss_table(v, methods) + ref
+        lines += tried_lines(results, n)
         if step_times:
             lines += _step_table(v, methods)
         else:
