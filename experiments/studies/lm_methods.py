@@ -88,3 +88,21 @@ def peak_factor(method: str) -> float:
         return 1.0  # a method of an older study
     c = lm_shakespeare.get_config(variant(method))
     return sync_period(method) / (c.wrapper.get("fragments", 1) if c.wrapper.name != "none" else 1)
+
+
+def tried_lines(results: dict, n: int) -> list[str]:
+    """Markdown lines naming each variant tried and left out of the grid
+    (:data:`TRIED`) that ran on ``n`` processes: why,
+    and its finals by seed."""
+    by: dict[str, dict[int, float]] = {}
+    for r in results["runs"]:
+        if r.get("n", 2) == n and r["method"] in TRIED and r.get("curve"):
+            by.setdefault(r["method"], {})[r["seed"]] = r["curve"][-1]["eval_loss"]
+    lines = []
+    for m, why in TRIED.items():
+        if m in by:
+            ends = " / ".join(f"{by[m][s]:.4f}" for s in sorted(by[m]))
+            seeds = ", ".join(map(str, sorted(by[m])))
+            lines += ["", f"Tried and left out of the grid: {m} ({why}), final {ends} "
+                      f"(seed{'s' if len(by[m]) > 1 else ''} {seeds})."]  # fmt: skip
+    return lines

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import verdict
-from experiments.studies.lm_methods import COUNTERPART, TRIED, peak_factor
+from experiments.studies.lm_methods import COUNTERPART, TRIED, peak_factor, tried_lines
 
 RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
 RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s",
@@ -96,24 +96,6 @@ def time_axis(curve: list[dict], probe: dict | None, val: dict | None) -> tuple[
     if val is not None:
         return [r["eval_loss"] for r in val["curve"]], [r["train_s"] for r in val["curve"]]
     return [r["eval_loss"] for r in curve], [seed_time(curve, i, probe) for i in range(len(curve))]
-
-
-def tried_lines(results: dict, n: int) -> list[str]:
-    """Markdown lines naming each variant tried and left out of the grid
-    (:data:`~experiments.studies.lm_methods.TRIED`) that ran on ``n`` processes: why,
-    and its finals by seed."""
-    by: dict[str, dict[int, float]] = {}
-    for r in results["runs"]:
-        if r.get("n", 2) == n and r["method"] in TRIED and r.get("curve"):
-            by.setdefault(r["method"], {})[r["seed"]] = r["curve"][-1]["eval_loss"]
-    lines = []
-    for m, why in TRIED.items():
-        if m in by:
-            ends = " / ".join(f"{by[m][s]:.4f}" for s in sorted(by[m]))
-            seeds = ", ".join(map(str, sorted(by[m])))
-            lines += ["", f"Tried and left out of the grid: {m} ({why}), final {ends} "
-                      f"(seed{'s' if len(by[m]) > 1 else ''} {seeds})."]  # fmt: skip
-    return lines
 
 
 def complete_groups(results: dict) -> tuple[dict[int, list[str]], dict[int, str]]:
