@@ -19,21 +19,23 @@ time to target on any link, so this table gives quality only:
 - the shaped-link probes so far: each (method, link) cell's median step and
   range over its probes, and whether each probe's loss equalled the loopback
   trajectory's (no time to target: that needs every method's 3 seeds and
-  the validation runs).
+  the validation runs);
+- beside PyTorch DDP and torchft (:mod:`experiments.studies.lm_peers`): time to
+  target on every link for the methods probed on all of them, and each
+  framework's best.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from experiments.studies import verdict
-from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED
+from experiments.studies import lm_peers, verdict
+from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED, tried_lines
 from experiments.studies.report import (
     RATE_ORDER,
     cell_probes,
     ngram_line,
     running_time,
-    tried_lines,
 )
 
 
@@ -94,9 +96,10 @@ def report(results: dict, n: int = 2) -> str:
     steps = results.get("steps")
     lines = [
         f"{n} processes, loopback, {steps} steps a run; final validation loss in nats/byte "
-        "(128 held-out windows). Quality only: no step times and no speed-ups until the "
-        "shaped-link probes and validation runs are in the JSON "
-        "(`python -m experiments.studies.lm --phases=probes,validate`).",
+        "(128 held-out windows). The study's verdict waits for every method's shaped-link "
+        "probes and the validation runs (`python -m experiments.studies.lm "
+        "--phases=probes,validate`); times to target so far only for the methods probed on "
+        "every link (below, beside PyTorch's).",
         "",
         f"| method | update | seeds | finals | median | vs dense's median (band "
         f"{verdict.QUALITY_BAND:.0%}) | every seed within {verdict.HEADLINE_BAND:.0%} "
@@ -120,6 +123,7 @@ def report(results: dict, n: int = 2) -> str:
         lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
     lines += tried_lines(results, n)
     lines += probes_table(results, n)
+    lines += lm_peers.lines(results, n)
     ngram = ngram_line(results)
     if ngram:
         lines += ["", ngram]

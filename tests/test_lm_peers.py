@@ -1,0 +1,66 @@
+"""jaxcomm beside PyTorch DDP and torchft (experiments/studies/lm_peers.py): each
+framework's best method on each link under the study's rules, on synthetic curves
+with closed-form times (no training runs)."""
+
+import pytest
+
+from experiments.studies import lm_peers
+from tests.test_verdict import curve, decay, probe
+
+# dense's seeds end at 2.0, 2.1, 2.05: target 2.1 * 1.02, first reached at steps 180, 200,
+# 190 (test_verdict); a method with the same curves and a probed step s reaches it at
+# 1 + k s seconds (the probe's first call: 10 steps in 10 s + 1)
+STEPS = (180, 200, 190)
+STEP_10MBIT = {"dense": 2.0, "bf16": 1.0, "torch_ddp": 2.5, "torch_powersgd": 0.4,
+               "torchft_streaming": 1.6, "torchft_diloco": 0.5}  # fmt: skip
+WORSE = {"torch_powersgd", "torchft_diloco"}  # end 3% above dense's median: no time counts
+
+
+def study(without=()):
+    runs, probes = [], []
+    for m, step in STEP_10MBIT.items():
+        for seed, f in enumerate((2.0, 2.1, 2.05)):
+            final = 2.05 * 1.03 if m in WORSE else f
+            runs.append({"n": 2, "method": m, "seed": seed, "curve": curve(decay(final))})
+        for rate, s in (("loopback", 0.1), ("100mbit", step / 2), ("10mbit", step)):
+            if (m, rate) not in without:
+                probes.append(probe(m, s, rate=rate))
+    return {"steps": 200, "runs": runs, "probes": probes}
+
+
+def times(step):
+    return sorted(1 + k * step for k in STEPS)  # min, median, max
+
+
+def test_each_frameworks_best_counts_only_times_within_the_band():
+    v = lm_peers.verdicts(study())
+    b = lm_peers.best(v, "10mbit")
+    assert b["jaxcomm"]["method"] == "bf16"  # faster than dense, same finals
+    assert b["PyTorch DDP"]["method"] == "torch_ddp"  # powersgd is faster but ends worse
+    assert b["torchft"]["method"] == "torchft_streaming"  # so is torchft's DiLoCo
+    lo, med, hi = times(STEP_10MBIT["bf16"])
+    cell = b["jaxcomm"]["cell"]
+    assert (cell["min"], cell["median"], cell["max"]) == pytest.approx((lo, med, hi))
+    ddp = times(STEP_10MBIT["torch_ddp"])[1]
+    row = next(x for x in lm_peers.lines(study()) if x.startswith("| 10 Mbit/s |"))
+    assert f"| {ddp / med:.2f}× ({ddp / hi:.2f}–{ddp / lo:.2f}) |" in row
+    ft = times(STEP_10MBIT["torchft_streaming"])[1]
+    assert row.endswith(f"| {ft / med:.2f}× ({ft / hi:.2f}–{ft / lo:.2f}) |")
+
+
+def test_a_framework_without_a_time_that_counts_is_said_so():
+    s = study()
+    s["runs"] = [r for r in s["runs"] if r["method"] != "torch_ddp"]
+    s["probes"] = [p for p in s["probes"] if p["method"] != "torch_ddp"]
+    row = next(x for x in lm_peers.lines(s) if x.startswith("| 10 Mbit/s |"))
+    assert "| none counts (fastest: torch_powersgd, faster, but ends worse by 3.0%) |" in row
+    assert row.count("| — |") == 1  # no ratio against DDP
+
+
+def test_only_methods_probed_on_every_link_enter():
+    s = study(without={("torch_ddp", "100mbit")})
+    assert "torch_ddp" not in lm_peers.verdicts(s)["methods"]
+    assert "bf16" in lm_peers.verdicts(s)["methods"]
+    no_peer = study(without={(m, "loopback") for m in STEP_10MBIT if m.startswith("torch")})
+    assert lm_peers.lines(no_peer) == []
+    assert lm_peers.verdicts(study(without={("dense", "10mbit")})) is None
