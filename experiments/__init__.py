@@ -44,7 +44,8 @@ python -m experiments.main --config experiments/configs/cifar_resnet.py --workdi
 `getattr(jaxcomm, name)(**kwargs, axis_name="data")` (a `key` is added when
 the factory takes one); `config.policy="matrices"` uses `optax.partition`
 (compressor on matrices, dense all-reduce on the rest);
-`config.wrapper.name` is `none`, `accumulate`, `local_sgd` or `diloco`. Bad
+`config.wrapper.name` is `none`, `accumulate`, `local_sgd`, `diloco`,
+`streaming_diloco`, `sparseloco` or `no_exchange` (each worker alone: a compute floor). Bad
 values (unknown names, a ratio outside (0, 1], a missing CIFAR directory)
 raise an error naming the config key before any data is read or anything
 compiled. The step runs under `jax.shard_map` over a `("data",)` mesh of

@@ -30,7 +30,11 @@ AUTO = "auto"
 # optax's, optax.contrib's Muon (MuLoCo's inner optimizer under wrapper "diloco") and
 # jaxcomm.demo (DeMo communicates itself: compressor "allreduce", wrapper "none")
 OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "demo")
-WRAPPERS = ("none", "accumulate", "local_sgd", "diloco", "streaming_diloco", "sparseloco")
+# "no_exchange": the optimizer alone, each worker on its own batch and its own copy (a
+# compute floor to time a step against; nothing is averaged)
+WRAPPERS = (
+    "none", "accumulate", "local_sgd", "diloco", "streaming_diloco", "sparseloco", "no_exchange",
+)  # fmt: skip
 PARAM_AVERAGING = ("local_sgd", "diloco", "streaming_diloco", "sparseloco")  # per-worker params
 # wrapper keys passed to jaxcomm.sparseloco (as its keyword arguments)
 SPARSELOCO_KEYS = ("outer_learning_rate", "error_decay", "chunk", "topk", "bits")
@@ -129,6 +133,13 @@ def make_optimizer(
         opt = getattr(family, opt_name)(lr, **opt_kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"config.optimizer: bad value for {opt_name!r}: {e}") from None
+    if wrapper == "no_exchange":
+        if comp_name != "allreduce" or policy != "none":
+            raise ValueError(
+                "config.wrapper.name: 'no_exchange' sends nothing; use "
+                "compressor.name='allreduce' and policy='none'"
+            )
+        return opt
     if comp_name in ("dgc", "dgc_sgd"):
         if opt_name != "sgd" or opt_kwargs.get("momentum"):
             raise ValueError(
@@ -220,6 +231,8 @@ def comm_steps(config: ml_collections.ConfigDict, step: int) -> int:
     name, every = config.wrapper.name, config.wrapper.get("every", 1)
     if name == "none":
         return step
+    if name == "no_exchange":
+        return 0
     if name == "local_sgd":
         warm = config.wrapper.get("warmup_steps", 0)
         return min(step, warm) + max(0, step - warm) // every

@@ -64,3 +64,22 @@ def test_only_methods_probed_on_every_link_enter():
     no_peer = study(without={(m, "loopback") for m in STEP_10MBIT if m.startswith("torch")})
     assert lm_peers.lines(no_peer) == []
     assert lm_peers.verdicts(study(without={("dense", "10mbit")})) is None
+
+
+def test_step_over_each_frameworks_own_floor():
+    s = study()
+    s["probes"] += [probe("nocomm", 0.05, rate="loopback"),
+                    probe("torch_nocomm", 0.08, rate="loopback")]  # fmt: skip
+    text = lm_peers.lines(s)
+    # dense at 10 Mbit/s: 2000 ms probed, jaxcomm's floor 50 ms: +1950 (40.0x)
+    last = lambda m: [x for x in text if x.startswith(f"| {m} |")][-1]  # the floor table's
+    assert last("dense").endswith("| 2000: +1950 (40.0×) |")
+    # torch_ddp against torch's own floor (80 ms), not jaxcomm's: 2500 - 80
+    assert last("torch_ddp").endswith("| 2500: +2420 (31.2×) |")
+    pair = next(x for x in text if x.startswith("- dense against torch_ddp"))
+    assert pair.endswith("10 Mbit/s 1950 against 2420.")
+    assert "jaxcomm's 50 ms" in "\n".join(text) and "PyTorch's 80 ms" in "\n".join(text)
+    # the floors are never rows of the verdict (their losses are one worker's)
+    s["runs"].append({"n": 2, "method": "nocomm", "seed": 0, "curve": curve(decay(2.0))})
+    assert "nocomm" not in lm_peers.verdicts(s)["methods"]
+    assert lm_peers.floor_lines(study(), lm_peers.verdicts(study()), 2) == []

@@ -173,14 +173,15 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     """experiments.bench.torch_lm_train on 2 processes (gloo), 4 steps, dense and PowerSGD:
     rows in the JAX harness's format; dense DDP's model after 4 steps equals AdamW on the
     mean of the two ranks' gradients computed here (each rank's windows as the harness
-    draws them); bytes: dense 4 D a step, PowerSGD fewer."""
+    draws them); bytes: dense 4 D a step, PowerSGD fewer. The compute floor (``nocomm``)
+    sends nothing and rank 0's model is AdamW on rank 0's own gradients."""
     import json
 
     from experiments.studies import lm
     from tests.test_distributed import launch
 
     rows = {}
-    for hook in ("none", "powersgd"):
+    for hook in ("none", "powersgd", "nocomm"):
         work = tmp_path / hook
         run = launch(2, 1, "-m", "experiments.bench.torch_lm_train", f"--hook={hook}",
                      f"--workdir={work}", "--stop_after=4", "--eval_every=2")  # fmt: skip
@@ -216,3 +217,19 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     want = torch_lm.evaluate(model, ds.x_test)
     assert rows["none"][-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
     assert rows["none"][-1]["eval_loss"] < rows["none"][0]["eval_loss"]
+    # the floor: nothing sent, rank 0 alone on its own windows
+    assert [r["wire_bytes"] for r in rows["nocomm"]] == [0, 0]
+    torch.manual_seed(0)
+    model = torch_lm.from_config(config)
+    opt, sched = torch_lm.adamw(model, config)
+    for step in range(4):
+        model.zero_grad()
+        torch_lm.lm_loss(
+            model(torch_lm.windows(streams[0], starts[0][step], seq)[0]),
+            torch_lm.windows(streams[0], starts[0][step], seq)[1],
+        ).backward()
+        opt.step()
+        sched.step()
+    alone = torch_lm.evaluate(model, ds.x_test)["eval_loss"]
+    assert rows["nocomm"][-1]["eval_loss"] == pytest.approx(alone, rel=1e-5)
+    assert alone != pytest.approx(want["eval_loss"], rel=1e-5)

@@ -71,6 +71,7 @@ CONFIGS = {
     "cifar_resnet": lambda: cifar_resnet.get_config(),
     "lm_shakespeare": lambda: lm_shakespeare.get_config(),
     "lm_shakespeare:diloco": lambda: lm_shakespeare.get_config("diloco"),
+    "lm_shakespeare:nocomm": lambda: lm_shakespeare.get_config("nocomm"),  # sends nothing
 }
 
 
@@ -492,4 +493,30 @@ def test_diloco_outer_learning_rate_must_be_positive():
         c, {"compressor": ("allreduce", {}), "wrapper": ("diloco", 1, {"outer_learning_rate": 0})}
     )
     with pytest.raises(ValueError, match="outer_learning_rate: must be > 0"):
+        optimizers.make_optimizer(c)
+
+
+def test_no_exchange_wrapper_is_each_workers_own_optimizer():
+    """The compute floor's wrapper: each worker applies plain SGD to its own gradient
+    (-lr g_w, closed form), the compiled step has no collective, and nothing is counted."""
+    c = common.base()
+    c.optimizer.name, c.optimizer.learning_rate = "sgd", 0.5
+    common.apply_variant(c, {"compressor": ("allreduce", {}), "wrapper": ("no_exchange", 1)})
+    assert optimizers.comm_steps(c, 100) == 0
+    tx = optimizers.make_optimizer(c)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    g = jnp.array([[1.0, -2.0, 4.0], [3.0, 0.5, -1.0]], jnp.float32)  # one row a worker
+
+    def step(params, grad):
+        u, _ = tx.update(grad[0], tx.init(params[0]), params[0])
+        return u[None]
+
+    run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+    rows = jax.sharding.NamedSharding(mesh, P("data"))
+    params, g = jax.device_put(jnp.zeros((2, 3), jnp.float32), rows), jax.device_put(g, rows)
+    np.testing.assert_array_equal(np.asarray(run(params, g)), -0.5 * np.asarray(g))
+    hlo = run.lower(params, g).compile().as_text()
+    assert not any(op in hlo for op in ("all-reduce", "all-gather", "collective-permute"))
+    c.compressor.name = "topk"
+    with pytest.raises(ValueError, match="'no_exchange' sends nothing"):
         optimizers.make_optimizer(c)

@@ -15,6 +15,9 @@ windows as the JAX harness's worker of that index, under
   — torch needs >= 2 with error feedback — and min compression rate 2;
   1-D tensors go uncompressed, as with jaxcomm's ``policy="matrices"``);
   one bucket (torch's hook fails on gloo with more than one);
+- ``nocomm``: no DDP and no exchange, each rank training its own copy on its own
+  batches: PyTorch's compute floor, the step every other hook's is set against
+  (the losses are one rank's model's, not a data-parallel run's);
 - ``ft_diloco`` / ``ft_streaming``: no DDP; torchft's DiLoCo / Streaming
   DiLoCo at the study's ``diloco`` / ``streaming`` settings, each rank its own
   replica group (:mod:`experiments.bench.torch_lm_ft`).
@@ -56,7 +59,7 @@ from experiments.bench.torch_peers import ByteCounter, init_env
 from experiments.configs import lm_shakespeare
 
 FLAGS = flags.FLAGS
-HOOKS = ("none", "fp16", "powersgd", *torch_lm_ft.VARIANT)
+HOOKS = ("none", "fp16", "powersgd", "nocomm", *torch_lm_ft.VARIANT)
 
 
 def define_flags() -> None:
@@ -112,6 +115,8 @@ def main(argv) -> None:
     if FLAGS.hook in torch_lm_ft.VARIANT:  # torchft: each rank trains its own copy
         ddp = model
         outer, manager, lighthouse = torch_lm_ft.diloco(model, opt, FLAGS.hook, counter)
+    elif FLAGS.hook == "nocomm":  # the compute floor: no DDP, nothing exchanged
+        ddp = model
     else:
         ddp = wrap(model, FLAGS.hook, FLAGS.rank)
     os.makedirs(FLAGS.workdir, exist_ok=True)

@@ -41,7 +41,8 @@ outer Nesterov step every step, at outer rate 0.1; it plateaus, see
 ``experiments.studies.lm_methods.TRIED``, so the study compares DiLoCo with
 dense), streaming (Streaming DiLoCo, H=10, 2 fragments, delay 1, mix 0.5; fp32 outer gradients),
 streaming_int8 and streaming_q4 (the same with int8 / 4-bit QSGD outer
-gradients, 64-entry buckets, + EF over the two-phase exchange).
+gradients, 64-entry buckets, + EF over the two-phase exchange), nocomm (AdamW
+alone, no exchange: the compute floor the study's step times are set against).
 
 Command (2 processes on a 100 Mbit/s shaped link; root and iproute2):
   python -m experiments.launch --processes=2 --rate=100mbit -- python -m experiments.main \
@@ -137,6 +138,9 @@ VARIANTS: dict[str, dict] = {
     },
     # MuLoCo's dense counterpart: the same Muon every step, dense fp32 all-reduce
     "muon": {"compressor": ("allreduce", {}), "optimizer": ("muon", MUON)},
+    # The compute floor: AdamW alone, each worker its own copy on its own batches, nothing
+    # exchanged (probed, to set each method's step against; its losses are one worker's)
+    "nocomm": {"compressor": ("allreduce", {}), "wrapper": ("no_exchange", 1)},
     # DeMo: its own optimizer (sign of the decoded DCT top-32 of each 64-entry chunk's
     # momentum), on the shared schedule at half the peak learning rate (a sign step moves
     # every entry by the full rate), decoupled weight decay 0.1

@@ -34,7 +34,10 @@ torchft the ``ft`` extra; :mod:`experiments.studies.lm_methods`). Streaming
 DiLoCo runs twice: in the harness (its fragment exchange inside the step that
 sends it) and as users run it, each exchange overlapped with the inner steps
 that follow (``*_overlap``: :mod:`experiments.bench.overlap_lm_train`, the same
-arithmetic; only the step times differ).
+arithmetic; only the step times differ). Each framework's compute floor
+(``FLOORS``: ``nocomm``, ``torch_nocomm``, the step with nothing exchanged) is
+probed on loopback only, without trajectories:
+``--methods=nocomm,torch_nocomm --phases=probes --rates=``.
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -70,7 +73,7 @@ from absl import app, flags
 
 from experiments.configs import lm_shakespeare
 from experiments.studies import lm_figure, ngram, report, runs
-from experiments.studies.lm_methods import METHODS, OVERLAP, TORCH, sync_period
+from experiments.studies.lm_methods import FLOORS, METHODS, OVERLAP, TORCH, sync_period
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
@@ -170,7 +173,9 @@ def probe_once(results: dict, n: int, rate: str, method: str, steps: int, k: int
     timed = -(-timed // per) * per
     run = run_training(n, rate, method, 0, steps, per + timed, per, tag=f".probe{k}")
     first, last = run["curve"][0], run["curve"][-1]
-    base = next(r for r in results["runs"] if (r["n"], r["method"], r["seed"]) == (n, method, 0))
+    # a compute floor has no trajectory to check against (FLOORS: probed only)
+    base = next((r for r in results["runs"] if (r["n"], r["method"], r["seed"]) == (n, method, 0)),
+                {"curve": []})  # fmt: skip
     ref = next((p for p in base["curve"] if p["step"] == last["step"]), None)
     return {
         "command": run["command"], "process_wall_s": run["process_wall_s"],
@@ -274,11 +279,12 @@ def main(argv: list[str]) -> None:
                 print(f"n={n} {method:14s} seed {seed}: val {last['eval_loss']:.4f} "
                       f"in {last['train_s']:.1f} s", flush=True)  # fmt: skip
         # every link's step time, loopback's too, each cell probed --probes times (a probe
-        # checks its loss against seed 0's trajectory, so that run comes first)
+        # checks its loss against seed 0's trajectory, so that run comes first; a compute
+        # floor has none)
         have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
         for rate in ["loopback", *FLAGS.rates] if "probes" in phases else ():
             for method in FLAGS.methods:
-                if (n, rate, method) not in probed and (n, method, 0) in have:
+                if (n, rate, method) not in probed and ((n, method, 0) in have or method in FLOORS):
                     results["probes"].append(probe(results, n, rate, method, steps))
                     save()
         done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}

@@ -15,14 +15,18 @@ from experiments.configs import common, lm_shakespeare
 #: What a PyTorch user would run instead, on the same model, data, AdamW and schedule:
 #: method -> ``torch_lm_train --hook``.
 TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd",
-         "torchft_diloco": "ft_diloco", "torchft_streaming": "ft_streaming"}  # fmt: skip
+         "torchft_diloco": "ft_diloco", "torchft_streaming": "ft_streaming",
+         "torch_nocomm": "nocomm"}  # fmt: skip
+#: Each framework's compute floor: the same step with nothing exchanged, each worker its
+#: own copy (probed only, never judged: its losses are one worker's). method -> framework.
+FLOORS = {"nocomm": "jaxcomm", "torch_nocomm": "PyTorch"}
 #: Streaming DiLoCo as users run it, its exchanges overlapped with the inner steps
 #: (:mod:`experiments.bench.overlap_lm_train`): method -> the variant it runs.
 OVERLAP = {"streaming_overlap": "streaming", "streaming_int8_overlap": "streaming_int8",
            "streaming_q4_overlap": "streaming_q4"}  # fmt: skip
 METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
            "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco", "muon", "demo",
-           "demo_full", *OVERLAP, *TORCH]  # fmt: skip
+           "demo_full", *OVERLAP, *(m for m in TORCH if m not in FLOORS)]  # fmt: skip
 #: Variants tried and left out of the grid (their runs stay in the JSON, shown apart from
 #: the table): method -> why. ``diloco_h1`` was DiLoCo's counterpart until it was seen not
 #: to train: Nesterov momentum 0.9 on top of every AdamW step plateaus (seed 0 ended at
@@ -106,3 +110,8 @@ def tried_lines(results: dict, n: int) -> list[str]:
             lines += ["", f"Tried and left out of the grid: {m} ({why}), final {ends} "
                       f"(seed{'s' if len(by[m]) > 1 else ''} {seeds})."]  # fmt: skip
     return lines
+
+
+def floor_of(method: str) -> str:
+    """The compute floor (:data:`FLOORS`) of ``method``'s framework."""
+    return "torch_nocomm" if method in TORCH else "nocomm"

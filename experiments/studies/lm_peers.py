@@ -13,19 +13,28 @@ This block is built only from methods with 3 seeds and probes on every link of
 :data:`RATES`, loopback included (so that the loopback column is timed on quiet
 cores for every row alike). Per link, each framework's best method is the fastest
 that counts; jaxcomm's is then set against DDP's and torchft's best.
+
+Each framework's own compute floor (:data:`~experiments.studies.lm_methods.FLOORS`:
+the same step with nothing exchanged, probed on loopback) sets the step times
+apart from kernel speed: a method's step over its floor (the milliseconds a
+step spends beyond the floor's, and the ratio) is what its exchange costs, so
+jaxcomm's dense, fp16/bf16 and PowerSGD steps are set against DDP's with its
+hooks by that excess, not by the raw step.
 """
 
 from __future__ import annotations
 
 from experiments.studies import report, verdict
-from experiments.studies.lm_methods import METHODS, TORCH
+from experiments.studies.lm_methods import FLOORS, METHODS, TORCH, floor_of
 
 #: The links of the comparison, in order.
 RATES = ("loopback", "100mbit", "10mbit")
+#: jaxcomm's method beside PyTorch DDP's hook that does the same exchange.
+PAIRS = (("dense", "torch_ddp"), ("bf16", "torch_fp16"), ("powersgd", "torch_powersgd"))
 #: Framework -> does this method belong to it.
 FRAMEWORKS = {
-    "jaxcomm": lambda m: m not in TORCH,
-    "PyTorch DDP": lambda m: m in TORCH and not TORCH[m].startswith("ft_"),
+    "jaxcomm": lambda m: m not in TORCH and m not in FLOORS,
+    "PyTorch DDP": lambda m: m in TORCH and m not in FLOORS and not TORCH[m].startswith("ft_"),
     "torchft": lambda m: m in TORCH and TORCH[m].startswith("ft_"),
 }
 
@@ -122,7 +131,63 @@ def lines(results: dict, n: int = 2) -> list[str]:
             f"| {_cell(b['torchft'])} | {_versus(b['jaxcomm'], b['PyTorch DDP'])} "
             f"| {_versus(b['jaxcomm'], b['torchft'])} |"
         )
+    out += floor_lines(results, v, n)
     probes = min(c.get("probes", 0) for row in v["methods"].values() for c in row["links"].values())
     if probes < verdict.MIN_PROBES:
         out += ["", f"Some cells have fewer than {verdict.MIN_PROBES} probes (the step table)."]
     return out
+
+
+def over_floor(results: dict, v: dict, n: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per method of ``v`` and link: (its probed step, its framework's floor), in ms; only
+    where the floor is probed on loopback."""
+    cells = report.cell_probes(results, n)
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for m, row in v["methods"].items():
+        floor = cells.get(("loopback", floor_of(m)))
+        if floor is None:
+            continue
+        out[m] = {r: (c["step_ms"], 1e3 * floor["step_s"]) for r, c in row["links"].items()}
+    return out
+
+
+def floor_lines(results: dict, v: dict, n: int) -> list[str]:
+    """The step over each framework's floor: a table, then jaxcomm against DDP pair by
+    pair (:data:`PAIRS`). Empty until a floor is probed."""
+    cells = report.cell_probes(results, n)
+    floors = {m: cells[("loopback", m)] for m in FLOORS if ("loopback", m) in cells}
+    over = over_floor(results, v, n)
+    if not floors or not over:
+        return []
+    said = ", ".join(
+        f"{FLOORS[m]}'s {1e3 * c['step_s']:.0f} ms ({1e3 * c['step_s_min']:.0f}–"
+        f"{1e3 * c['step_s_max']:.0f}; {c['probes']} probes)"
+        for m, c in floors.items()
+    )
+    out = [
+        "",
+        f"The step over its framework's compute floor (the same step with nothing exchanged, "
+        f"each worker alone, probed on loopback: {said}): the probed step in ms, + the ms "
+        "beyond the floor (× the floor):",
+        "",
+        "| method | " + " | ".join(report.RATE_NAMES[r] for r in RATES) + " |",
+        "|---|" + "---|" * len(RATES),
+    ]
+    for m in [m for m in METHODS if m in over]:
+        row = []
+        for r in RATES:
+            step, floor = over[m].get(r, (None, None))
+            row.append("" if step is None else f"{step:.0f}: +{step - floor:.0f} "
+                       f"({step / floor:.1f}×)")  # fmt: skip
+        out.append(f"| {m} | " + " | ".join(row) + " |")
+    pairs = []
+    for jax, torch in PAIRS:
+        if jax in over and torch in over:
+            ex = [
+                f"{report.RATE_NAMES[r]} {over[jax][r][0] - over[jax][r][1]:.0f} against "
+                f"{over[torch][r][0] - over[torch][r][1]:.0f}"
+                for r in RATES
+                if r in over[jax] and r in over[torch]
+            ]
+            pairs.append(f"- {jax} against {torch}, ms beyond each one's floor: {'; '.join(ex)}.")
+    return out + ([""] + pairs if pairs else [])

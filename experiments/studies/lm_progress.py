@@ -30,7 +30,14 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import lm_peers, verdict
-from experiments.studies.lm_methods import COUNTERPART, METHODS, OPTIMIZER, TRIED, tried_lines
+from experiments.studies.lm_methods import (
+    COUNTERPART,
+    FLOORS,
+    METHODS,
+    OPTIMIZER,
+    TRIED,
+    tried_lines,
+)
 from experiments.studies.report import (
     RATE_ORDER,
     cell_probes,
@@ -56,7 +63,7 @@ def rows(results: dict, n: int = 2) -> list[dict]:
     judged = len(dense) >= verdict.MIN_SEEDS
     out = []
     for m, seeds in by.items():
-        if m in TRIED:
+        if m in TRIED or m in FLOORS:
             continue
         vals = [seeds[s] for s in sorted(seeds)]
         row = {"method": m, "seeds": sorted(seeds), "finals": vals,
