@@ -141,18 +141,17 @@ def test_readme_block_leaves_the_step_times_to_the_study_file():
     assert rows[0] in short  # the time-to-target row is the same
 
 
-def test_a_superseded_method_is_marked_in_the_study_file_and_left_out_of_the_readme(monkeypatch):
+def test_a_superseded_method_is_marked_in_the_study_file_and_left_out_of_the_readme():
     """A method whose code changed after its runs is marked † in every table of the study file,
     with why; the short block (step_times=False) shows no † row, only a note naming it."""
-    monkeypatch.setattr(report, "SUPERSEDED", {"slow": "ran older code"})
-    md = report.lm_markdown(fake_study())
+    study = {**fake_study(), "superseded": {"slow": "ran older code"}}
+    md = report.lm_markdown(study)
     assert md.count("| slow † |") == 3 and "| slow |" not in md  # time, loss, step-time tables
     assert "† slow: ran older code." in md
-    short = report.lm_markdown(fake_study(), step_times=False)
+    short = report.lm_markdown(study, step_times=False)
     assert "| slow" not in short and "†" not in short
     assert "Not shown: slow (re-run pending" in short
-    monkeypatch.setattr(report, "SUPERSEDED", {})
-    assert "†" not in report.lm_markdown(fake_study())
+    assert "†" not in report.lm_markdown(fake_study())  # another study's JSON: none
     assert "Not shown" not in report.lm_markdown(fake_study(), step_times=False)
 
 

@@ -11,6 +11,7 @@ import json
 import os
 
 from experiments.studies import report
+from experiments.studies.ngram import NGRAM_NAMES
 
 
 def _ylim(curves: list[list[dict]], target: float, ngram: dict | None) -> tuple[float, float]:
@@ -65,7 +66,7 @@ def lm_plot(results: dict, path: str) -> tuple[int, int]:
             for r in (r for r in results["runs"] if (r["n"], r["method"]) == (n, m)):
                 ls, xs = report.time_axis(r["curve"], probe, vals.get((m, r["seed"])))
                 curves.append(r["curve"])
-                label = report.label(m) if r["seed"] == 0 else None
+                label = report.label(m, report.superseded(results)) if r["seed"] == 0 else None
                 ax.plot(xs, ls, color=style[m][0], ls=style[m][1], lw=0.9, label=label)
         target = verdicts[n]["target"]["target"]
         ax.axhline(target, color="gray", lw=0.8, ls="--", label="target")
@@ -75,7 +76,7 @@ def lm_plot(results: dict, path: str) -> tuple[int, int]:
             if low <= v <= high:
                 up = v > (low + high) / 2
                 ax.axhline(v, color="black", lw=0.7, ls=":")
-                name = report.NGRAM_NAMES.get(k, f"{k}-gram")
+                name = NGRAM_NAMES.get(k, f"{k}-gram")
                 ax.text(0.99 if up else 0.01, v, f"{name} {v:.2f}",
                         transform=ax.get_yaxis_transform(), ha="right" if up else "left",
                         va="bottom", fontsize=7)  # fmt: skip
@@ -95,7 +96,7 @@ def lm_plot(results: dict, path: str) -> tuple[int, int]:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=6, fontsize=8,
                frameon=False)  # fmt: skip
     if orders:
-        refs = ", ".join(f"{report.NGRAM_NAMES.get(k, f'{k}-gram')} {v:.2f}" for k, v in orders)
+        refs = ", ".join(f"{NGRAM_NAMES.get(k, f'{k}-gram')} {v:.2f}" for k, v in orders)
         fig.text(0.5, legend_h / fig.get_size_inches()[1], f"Dotted: byte n-gram counting "
                  f"models ({refs} nats/byte; drawn where inside a panel's range).",
                  ha="center", va="top", fontsize=7)  # fmt: skip

@@ -38,10 +38,10 @@ from experiments.studies.lm_methods import (
     TRIED,
     tried_lines,
 )
+from experiments.studies.ngram import ngram_line
 from experiments.studies.report import (
     RATE_ORDER,
     cell_probes,
-    ngram_line,
     running_time,
 )
 

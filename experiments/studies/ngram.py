@@ -146,6 +146,20 @@ def main(argv: list[str]) -> None:
         print(f"order {k} ({int(k) - 1}-byte context): {v:.4f} nats/byte")
 
 
+NGRAM_NAMES = {"1": "unigram", "2": "bigram", "3": "trigram"}
+
+
+def ngram_line(results: dict) -> str | None:
+    """The counting models' validation losses as one sentence; None without ``results["ngram"]``."""
+    ng = results.get("ngram")
+    if not ng:
+        return None
+    parts = [f"{NGRAM_NAMES.get(k, f'{k}-gram')} {v:.3f}"
+             for k, v in sorted(ng["orders"].items(), key=lambda kv: int(kv[0]))]  # fmt: skip
+    return (f"Counting models on the same split: {', '.join(parts)} nats/byte "
+            f"({ng['smoothing']}).")  # fmt: skip
+
+
 if __name__ == "__main__":
     from absl import app, flags
 

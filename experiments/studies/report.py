@@ -3,7 +3,7 @@
 :func:`lm_verdicts` applies :mod:`experiments.studies.verdict` to the LM
 study's JSON (``experiments/studies/lm.py``); :func:`lm_headline` picks each
 link's headline method; :func:`lm_markdown` renders them, with the counting
-models' losses (:func:`ngram_line`) and the study's :func:`running_time`;
+models' losses (:func:`experiments.studies.ngram.ngram_line`) and the study's :func:`running_time`;
 :func:`lm_plot` draws the curves; :func:`write_lm` writes the plot beside the
 JSON and regenerates the tables (:mod:`experiments.studies.tables`).
 
@@ -18,21 +18,22 @@ import statistics
 
 from experiments.studies import verdict
 from experiments.studies.lm_methods import COUNTERPART, FLOORS, TRIED, peak_factor, tried_lines
+from experiments.studies.ngram import ngram_line
 
 RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
 RATE_NAMES = {"loopback": "loopback", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s",
               "10mbit": "10 Mbit/s"}  # fmt: skip
-# methods whose code changed after their runs: marked † in the tables, with the reason
-SUPERSEDED = {
-    "threshold": "ran the two-period selection that jaxcomm.threshold had until commit 58d4ac7 "
-    "(0.70 of the true top-k sent on i.i.d. entries; today's sends 0.97, "
-    "experiments/results/threshold_fill.json); not re-run since",
-}
-NGRAM_NAMES = {"1": "unigram", "2": "bigram", "3": "trigram"}
 
 
-def label(method: str) -> str:
-    return f"{method} †" if method in SUPERSEDED else method
+def superseded(results: dict) -> dict[str, str]:
+    """The study JSON's own ``superseded``: its methods whose code changed after their runs
+    (method -> why), marked † in its tables and left out of its headline."""
+    return results.get("superseded", {})
+
+
+def label(method: str, stale: dict | set = frozenset()) -> str:
+    """The method's name in a table: † when ``stale`` (:func:`superseded`) names it."""
+    return f"{method} †" if method in stale else method
 
 
 def seed_time(curve: list[dict], i: int, probe: dict | None) -> float:
@@ -228,7 +229,8 @@ def lm_verdicts(results: dict) -> dict:
             check = verdict.estimate_check(estimate, _measured(val, target))
             checks.append({"method": m, "rate": rate, "seed": seed, **check})
         out[n] = {"target": tgt, "target_se": se, "rates": rates, "methods": rows,
-                  "dense_times": dense_times, "checks": checks}  # fmt: skip
+                  "dense_times": dense_times, "checks": checks, "loop_probed": loop_probed,
+                  "superseded": superseded(results)}  # fmt: skip
     return out
 
 
@@ -239,8 +241,9 @@ def lm_headline(results: dict, verdicts: dict | None = None) -> dict[int, dict[s
     for n, v in (verdicts or lm_verdicts(results)).items():
         rows, out[n] = v["methods"], {}
         for rate in v["rates"]:
+            stale = v["superseded"]
             cands = {m: (row["links"][rate], row["finals"]) for m, row in rows.items()
-                     if m != "dense" and m not in SUPERSEDED and rate in row["links"]}  # fmt: skip
+                     if m != "dense" and m not in stale and rate in row["links"]}  # fmt: skip
             out[n][rate] = verdict.headline(rows["dense"]["links"][rate], rows["dense"]["finals"],
                                             cands)  # fmt: skip
     return out
@@ -269,17 +272,6 @@ def running_time(results: dict) -> dict:
         by[p["n"]] = by.get(p["n"], 0.0) + sum(each)
     hours = {n: s / 3600 for n, s in sorted(by.items())}
     return {"total_h": sum(hours.values()), "by_processes": hours}
-
-
-def ngram_line(results: dict) -> str | None:
-    """The counting models' validation losses as one sentence; None without ``results["ngram"]``."""
-    ng = results.get("ngram")
-    if not ng:
-        return None
-    parts = [f"{NGRAM_NAMES.get(k, f'{k}-gram')} {v:.3f}"
-             for k, v in sorted(ng["orders"].items(), key=lambda kv: int(kv[0]))]  # fmt: skip
-    return (f"Counting models on the same split: {', '.join(parts)} nats/byte "
-            f"({ng['smoothing']}).")  # fmt: skip
 
 
 def _s(x: float) -> str:
@@ -347,7 +339,7 @@ def _time_table(v: dict, methods: list[str]) -> list[str]:
         mark = "" if f["within_band"] or m == "dense" else " (worse than dense by > 2%)"
         cells = [_time_cell(row["links"][r], m) if r in row["links"] else "" for r in v["rates"]]
         lines.append(
-            f"| {label(m)} | {row['mb_per_step']:.2f} "
+            f"| {label(m, v['superseded'])} | {row['mb_per_step']:.2f} "
             f"({row['mb_per_step'] * peak_factor(m):.1f}) | {f['median']:.4f} "
             f"({f['min']:.4f}–{f['max']:.4f}){mark} | " + " | ".join(cells) + " |"
         )
@@ -371,7 +363,8 @@ def _checks_table(v: dict, methods: list[str]) -> list[str]:
     for c in checks:
         est, got = ("—" if x is None else _s(x) for x in (c["estimate"], c["measured"]))
         ratio = "—" if c["ratio"] is None else f"{c['ratio']:.2f}"
-        lines.append(f"| {label(c['method'])} | {RATE_NAMES[c['rate']]} | {c['seed']} | {est} "
+        name = label(c["method"], v["superseded"])
+        lines.append(f"| {name} | {RATE_NAMES[c['rate']]} | {c['seed']} | {est} "
                      f"| {got} | {ratio} | {'yes' if c['within'] else 'no'} |")  # fmt: skip
     return lines
 
@@ -399,7 +392,7 @@ def _loss_table(v: dict, methods: list[str]) -> list[str]:
             if r in links else ""
             for r in v["rates"]
         ]  # fmt: skip
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(m, v['superseded'])} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -427,7 +420,7 @@ def _step_table(v: dict, methods: list[str]) -> list[str]:
     for m in methods:
         links = v["methods"][m]["links"]
         cells = [_probe_cell(links[r]) if r in links else "" for r in v["rates"]]
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(m, v['superseded'])} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -435,7 +428,7 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
     """The LM study's tables: headline, time to target, loss at dense's times, step times.
 
     ``step_times=False`` (a short block, for a headline elsewhere) leaves out the measured step-time
-    tables and the superseded methods (:data:`SUPERSEDED`, named in a note:
+    tables and the superseded methods (:func:`superseded`, named in a note:
     re-run pending), and points to ``experiments/results/lm_study.md``, which
     has both (superseded rows marked †) and the study's running time.
     """
@@ -446,7 +439,7 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
     lines, hidden = [], set()
     for n, v in verdicts.items():
         t = v["target"]
-        methods = [m for m in v["methods"] if step_times or m not in SUPERSEDED]
+        methods = [m for m in v["methods"] if step_times or m not in v["superseded"]]
         hidden |= set(v["methods"]) - set(methods)
         firsts = "/".join(str(s) for s in t["dense_first_steps"])
         lines += [
@@ -475,7 +468,7 @@ def lm_markdown(results: dict, step_times: bool = True) -> str:
         what = "left out of the table above" if n in done else "not reported"
         lines += [f"**{n} processes**, {what} (fewer than {verdict.MIN_SEEDS} seeds): {why}.", ""]
     shown = {m for v in verdicts.values() for m in v["methods"]} - hidden
-    lines += [f"† {m}: {why}.\n" for m, why in SUPERSEDED.items() if m in shown]
+    lines += [f"† {m}: {why}.\n" for m, why in superseded(results).items() if m in shown]
     if hidden:
         lines += [f"Not shown: {', '.join(sorted(hidden))} (re-run pending: its code changed "
                   "after its runs; the study file, lm_study.md, keeps its rows).", ""]  # fmt: skip
