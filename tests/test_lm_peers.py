@@ -4,7 +4,7 @@ with closed-form times (no training runs)."""
 
 import pytest
 
-from experiments.studies import lm_peers
+from experiments.studies import lm_peers, lm_progress, report
 from tests.test_verdict import curve, decay, probe
 
 # dense's seeds end at 2.0, 2.1, 2.05: target 2.1 * 1.02, first reached at steps 180, 200,
@@ -79,7 +79,32 @@ def test_step_over_each_frameworks_own_floor():
     pair = next(x for x in text if x.startswith("- dense against torch_ddp"))
     assert pair.endswith("10 Mbit/s 1950 against 2420.")
     assert "jaxcomm's 50 ms" in "\n".join(text) and "PyTorch's 80 ms" in "\n".join(text)
-    # the floors are never rows of the verdict (their losses are one worker's)
-    s["runs"].append({"n": 2, "method": "nocomm", "seed": 0, "curve": curve(decay(2.0))})
-    assert "nocomm" not in lm_peers.verdicts(s)["methods"]
     assert lm_peers.floor_lines(study(), lm_peers.verdicts(study()), 2) == []
+
+
+def test_floors_are_never_rows_nor_gaps_even_with_seeds_and_every_link():
+    s = study()
+    for seed in range(3):
+        s["runs"].append({"n": 2, "method": "nocomm", "seed": seed, "curve": curve(decay(2.0))})
+    s["runs"].append({"n": 2, "method": "torch_nocomm", "seed": 0, "curve": curve(decay(2.0))})
+    s["probes"] += [
+        probe(f, 0.05, rate=r) for f in ("nocomm", "torch_nocomm") for r in lm_peers.RATES
+    ]
+    done, missing = report.complete_groups(s)
+    assert not {"nocomm", "torch_nocomm"} & set(done[2]) and 2 not in missing
+    assert "nocomm" not in report.lm_verdicts(s)[2]["methods"]
+    assert not {"nocomm", "torch_nocomm"} & {r["method"] for r in lm_progress.rows(s)}
+
+
+def test_no_floor_column_for_another_optimizer_and_no_best_from_a_superseded_method():
+    s = study()
+    for seed, f in enumerate((2.0, 2.1, 2.05)):  # Muon: its own optimizer's compute
+        s["runs"].append({"n": 2, "method": "muon", "seed": seed, "curve": curve(decay(f))})
+    s["probes"] += [probe("muon", 0.2, rate=r) for r in lm_peers.RATES]
+    s["probes"] += [probe("nocomm", 0.05, rate="loopback"),
+                    probe("torch_nocomm", 0.08, rate="loopback")]  # fmt: skip
+    v = lm_peers.verdicts(s)
+    assert lm_peers.best(v, "10mbit")["jaxcomm"]["method"] == "muon"  # the fastest that counts
+    assert "muon" not in lm_peers.over_floor(s, v, 2) and "dense" in lm_peers.over_floor(s, v, 2)
+    s["superseded"] = {"muon": "ran older code"}
+    assert lm_peers.best(lm_peers.verdicts(s), "10mbit")["jaxcomm"]["method"] == "bf16"

@@ -465,3 +465,15 @@ def test_a_tried_variant_is_neither_a_row_nor_a_gap(monkeypatch):
     assert report.complete_groups(study)[1][2] == "once 1 of 3 seeds"
     study["runs"] = [r for r in study["runs"] if (r["method"], r["seed"]) != ("fast", 1)]
     assert report.complete_groups(study)[1][2] == "once 1 of 3 seeds"
+
+
+def test_links_are_dense_s_and_the_header_says_which_clock_loopback_has():
+    study = fake_study()
+    study["probes"].append(probe("fast", 0.05, rate="100mbit"))  # dense has no 100 Mbit/s probe
+    v = report.lm_verdicts(study)[2]
+    assert v["rates"] == ["loopback", "10mbit"] and not v["loop_probed"]
+    assert "Loopback: measured by the runs' clocks." in report.lm_markdown(study)
+    for m in ("dense", "fast", "slow"):
+        study["probes"].append(probe(m, 0.1, rate="loopback"))
+    assert report.lm_verdicts(study)[2]["loop_probed"]
+    assert "Every link, loopback too: estimated" in report.lm_markdown(study)

@@ -17,7 +17,8 @@ windows as the JAX harness's worker of that index, under
   one bucket (torch's hook fails on gloo with more than one);
 - ``nocomm``: no DDP and no exchange, each rank training its own copy on its own
   batches: PyTorch's compute floor, the step every other hook's is set against
-  (the losses are one rank's model's, not a data-parallel run's);
+  (the validation loss is rank 0's own model's, the training loss the mean over
+  independent models: not a data-parallel run's);
 - ``ft_diloco`` / ``ft_streaming``: no DDP; torchft's DiLoCo / Streaming
   DiLoCo at the study's ``diloco`` / ``streaming`` settings, each rank its own
   replica group (:mod:`experiments.bench.torch_lm_ft`).

@@ -139,7 +139,8 @@ VARIANTS: dict[str, dict] = {
     # MuLoCo's dense counterpart: the same Muon every step, dense fp32 all-reduce
     "muon": {"compressor": ("allreduce", {}), "optimizer": ("muon", MUON)},
     # The compute floor: AdamW alone, each worker its own copy on its own batches, nothing
-    # exchanged (probed, to set each method's step against; its losses are one worker's)
+    # exchanged (probed, to set each method's step against; its validation loss is worker
+    # 0's own model's, its training loss the mean over independent models)
     "nocomm": {"compressor": ("allreduce", {}), "wrapper": ("no_exchange", 1)},
     # DeMo: its own optimizer (sign of the decoded DCT top-32 of each 64-entry chunk's
     # momentum), on the shared schedule at half the peak learning rate (a sign step moves

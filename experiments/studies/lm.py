@@ -36,8 +36,7 @@ sends it) and as users run it, each exchange overlapped with the inner steps
 that follow (``*_overlap``: :mod:`experiments.bench.overlap_lm_train`, the same
 arithmetic; only the step times differ). Each framework's compute floor
 (``FLOORS``: ``nocomm``, ``torch_nocomm``, the step with nothing exchanged) is
-probed on loopback only, without trajectories:
-``--methods=nocomm,torch_nocomm --phases=probes --rates=``.
+probed on loopback only, without trajectories (``--methods=nocomm,torch_nocomm``).
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -270,7 +269,7 @@ def main(argv: list[str]) -> None:
     for n in map(int, FLAGS.processes):
         for seed in map(int, FLAGS.seeds) if "runs" in phases else ():
             for method in FLAGS.methods:
-                if (n, method, seed) in have:
+                if (n, method, seed) in have or method in FLOORS:  # a floor: probes only
                     continue
                 run = run_training(n, "loopback", method, seed, steps, 0)
                 results["runs"].append({"n": n, "method": method, "seed": seed, **run})
@@ -284,7 +283,10 @@ def main(argv: list[str]) -> None:
         have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
         for rate in ["loopback", *FLAGS.rates] if "probes" in phases else ():
             for method in FLAGS.methods:
-                if (n, rate, method) not in probed and ((n, method, 0) in have or method in FLOORS):
+                floor = method in FLOORS  # probed on loopback only, with no trajectory
+                if floor and rate != "loopback":
+                    continue
+                if (n, rate, method) not in probed and ((n, method, 0) in have or floor):
                     results["probes"].append(probe(results, n, rate, method, steps))
                     save()
         done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}

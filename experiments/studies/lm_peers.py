@@ -5,9 +5,9 @@ PyTorch: DDP with its fp32 all-reduce, ``fp16_compress_hook`` or
 ``powerSGD_hook``, and torchft's DiLoCo and Streaming DiLoCo. They run the same
 data, AdamW, schedule and seeds, and are judged by the study's rules
 (:mod:`experiments.studies.verdict`): the target is dense jaxcomm's, a time to
-target is steps to target × the link's probed step (the probes'
-median over at least three), and a method whose median final is outside the
-2% band has no time that counts.
+target is steps to target × the link's probed step (the median over the cell's
+probes; a note says when a cell, or a floor, has fewer than three), and a
+method whose median final is outside the 2% band has no time that counts.
 
 This block is built only from methods with 3 seeds and probes on every link of
 :data:`RATES`, loopback included (so that the loopback column is timed on quiet
@@ -18,14 +18,18 @@ Each framework's own compute floor (:data:`~experiments.studies.lm_methods.FLOOR
 the same step with nothing exchanged, probed on loopback) sets the step times
 apart from kernel speed: a method's step over its floor (the milliseconds a
 step spends beyond the floor's, and the ratio) is what its exchange costs, so
-jaxcomm's dense, fp16/bf16 and PowerSGD steps are set against DDP's with its
-hooks by that excess, not by the raw step.
+jaxcomm's dense, bf16 and PowerSGD steps are set against DDP's with its hooks
+by that excess, not by the raw step. Only methods that run the floor's step plus
+an exchange get that column (:func:`has_floor`): not Muon or DeMo (another
+optimizer's compute) nor the overlapped Streaming DiLoCo (one call a step, not
+the harness's ten).
 """
 
 from __future__ import annotations
 
+from experiments.configs import lm_shakespeare
 from experiments.studies import report, verdict
-from experiments.studies.lm_methods import FLOORS, METHODS, TORCH, floor_of
+from experiments.studies.lm_methods import FLOORS, METHODS, OVERLAP, TORCH, floor_of, variant
 
 #: The links of the comparison, in order.
 RATES = ("loopback", "100mbit", "10mbit")
@@ -64,7 +68,8 @@ def best(v: dict, rate: str) -> dict[str, dict | None]:
     or None with the fastest that does not count as ``{"method": None, "fastest": ...}``."""
     out = {}
     for name, belongs in FRAMEWORKS.items():
-        cands = {m: row for m, row in v["methods"].items() if belongs(m) and rate in row["links"]}
+        cands = {m: row for m, row in v["methods"].items()
+                 if belongs(m) and m not in v["superseded"] and rate in row["links"]}  # fmt: skip
         if not cands:
             out[name] = None
             continue
@@ -132,10 +137,24 @@ def lines(results: dict, n: int = 2) -> list[str]:
             f"| {_versus(b['jaxcomm'], b['torchft'])} |"
         )
     out += floor_lines(results, v, n)
-    probes = min(c.get("probes", 0) for row in v["methods"].values() for c in row["links"].values())
-    if probes < verdict.MIN_PROBES:
-        out += ["", f"Some cells have fewer than {verdict.MIN_PROBES} probes (the step table)."]
+    cells = report.cell_probes(results, n)
+    probes = [c.get("probes", 0) for row in v["methods"].values() for c in row["links"].values()]
+    probes += [cells[("loopback", m)]["probes"] for m in FLOORS if ("loopback", m) in cells]
+    if min(probes) < verdict.MIN_PROBES:
+        out += ["", f"Some cells or floors have fewer than {verdict.MIN_PROBES} probes (the "
+                "probes table above)."]  # fmt: skip
     return out
+
+
+def has_floor(method: str) -> bool:
+    """Whether ``method``'s step is its framework's floor plus an exchange: the torch twin's
+    (AdamW in every hook), or the harness's on AdamW (not overlapped)."""
+    if method in TORCH:
+        return True
+    return (
+        method not in OVERLAP
+        and lm_shakespeare.get_config(variant(method)).optimizer.name == "adamw"
+    )
 
 
 def over_floor(results: dict, v: dict, n: int) -> dict[str, dict[str, tuple[float, float]]]:
@@ -145,7 +164,7 @@ def over_floor(results: dict, v: dict, n: int) -> dict[str, dict[str, tuple[floa
     out: dict[str, dict[str, tuple[float, float]]] = {}
     for m, row in v["methods"].items():
         floor = cells.get(("loopback", floor_of(m)))
-        if floor is None:
+        if floor is None or not has_floor(m):
             continue
         out[m] = {r: (c["step_ms"], 1e3 * floor["step_s"]) for r, c in row["links"].items()}
     return out
@@ -177,7 +196,7 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
         row = []
         for r in RATES:
             step, floor = over[m].get(r, (None, None))
-            row.append("" if step is None else f"{step:.0f}: +{step - floor:.0f} "
+            row.append("" if step is None else f"{step:.0f}: {step - floor:+.0f} "
                        f"({step / floor:.1f}×)")  # fmt: skip
         out.append(f"| {m} | " + " | ".join(row) + " |")
     pairs = []

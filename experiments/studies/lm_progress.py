@@ -99,14 +99,20 @@ def _headline_cell(r: dict) -> str:
 def report(results: dict, n: int = 2) -> str:
     """The markdown: one row a method, then dense's median and the counting models."""
     table = rows(results, n)
+    peers = lm_peers.lines(results, n)
     dense = next((r for r in table if r["method"] == "dense"), None)
     steps = results.get("steps")
     lines = [
         f"{n} processes, loopback, {steps} steps a run; final validation loss in nats/byte "
         "(128 held-out windows). The study's verdict waits for every method's shaped-link "
         "probes and the validation runs (`python -m experiments.studies.lm "
-        "--phases=probes,validate`); times to target so far only for the methods probed on "
-        "every link (below, beside PyTorch's).",
+        "--phases=probes,validate`)"
+        + (
+            "; times to target so far only for the methods probed on every link (below, "
+            "beside PyTorch's)."
+            if peers
+            else "."
+        ),
         "",
         f"| method | update | seeds | finals | median | vs dense's median (band "
         f"{verdict.QUALITY_BAND:.0%}) | every seed within {verdict.HEADLINE_BAND:.0%} "
@@ -130,7 +136,7 @@ def report(results: dict, n: int = 2) -> str:
         lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
     lines += tried_lines(results, n)
     lines += probes_table(results, n)
-    lines += lm_peers.lines(results, n)
+    lines += peers
     ngram = ngram_line(results)
     if ngram:
         lines += ["", ngram]

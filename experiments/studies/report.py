@@ -173,7 +173,8 @@ def lm_verdicts(results: dict) -> dict:
         probes = cell_probes(results, n)
         vals = {(v["rate"], v["method"], v["seed"]): v
                 for v in results.get("validation", []) if v["n"] == n}  # fmt: skip
-        rates = ["loopback"] + [r for r in RATE_ORDER[1:] if any(k[0] == r for k in probes)]
+        # the links dense is probed on (a method probed where dense is not has no ratio there)
+        rates = ["loopback"] + [r for r in RATE_ORDER[1:] if (r, "dense") in probes]
         loop_probed = all(("loopback", m) in probes for m in methods)
         rows, axes = {}, {}
         for m in methods:
@@ -325,8 +326,10 @@ def _time_table(v: dict, methods: list[str]) -> list[str]:
         "Time to target: seconds of training calls, median (min–max) over "
         f"{len(t['dense_first_steps'])} seeds; × = dense's median / the method's, printed only "
         f"when the method's median final loss is within {verdict.QUALITY_BAND:.0%} of dense's "
-        "(otherwise the cell says how it ends). Loopback: measured. Shaped links: estimated "
-        "(the seed's steps to target × the median step time probed on that link), except a "
+        "(otherwise the cell says how it ends). "
+        + ("Every link, loopback too: estimated" if v.get("loop_probed") else
+           "Loopback: measured by the runs' clocks. Shaped links: estimated")
+        + " (the seed's steps to target × the median step time probed on that link), except a "
         "seed a cell names as measured: a whole run on that link, end to end.",
         "",
         "| method | MB/step (peak) | final val loss, median (min–max) | "
