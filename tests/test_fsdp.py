@@ -456,6 +456,7 @@ def test_the_lm_bench_rows_on_two_devices():
     """experiments/bench/fsdp.py's rows on the LM study's GPT (875,520 parameters), 2 fake
     devices, one step each: memory halves, the compressed row moves <= 0.3x fsdp's bytes."""
     from experiments.bench import fsdp as bench
+    from experiments.bench import fsdp_report
 
     mesh2 = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     params, loss, batch = bench.setup(2)
@@ -472,7 +473,7 @@ def test_the_lm_bench_rows_on_two_devices():
     assert rows["fsdp_q8w_q8g"]["bytes_per_step"] <= 0.3 * rows["fsdp"]["bytes_per_step"]
     # residuals: none for dense; the error-feedback residual covers the whole vector
     assert rows["fsdp"]["comm_state"] == 0 and rows["fsdp_q8w_q8g"]["comm_state"] >= 4 * d
-    md = bench.markdown(
+    md = fsdp_report.timing_markdown(
         {"processes": 2, "links": [{"rate": "loopback", "rows": list(rows.values())}]}
     )
     assert "| loopback | fsdp_q8w_q8g |" in md

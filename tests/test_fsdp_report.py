@@ -17,16 +17,30 @@ TRAJ = {"processes": 2, "steps": 2000, "eval_every": 100, "runs": [
     _run("fsdp_bf16w", 0, 1.90),
 ]}  # fmt: skip
 TIMING = {
+    "processes": 2,
     "links": [
         {
             "rate": "100mbit",
             "rows": [
-                {"variant": "fsdp", "step_ms": 100.0},
-                {"variant": "fsdp_q8w_q8g", "step_ms": 50.0},
-                {"variant": "fsdp_q8w", "step_ms": 40.0},
-            ],
+                {
+                    "variant": v,
+                    "step_ms": ms,
+                    "step_ms_min": ms - 5,
+                    "step_ms_max": ms + 5,
+                    "bytes_per_step": b,
+                    "params": 2e6,
+                    "opt_state": 4e6,
+                    "comm_state": r,
+                    "loss": 3.3,
+                }
+                for v, ms, b, r in (
+                    ("fsdp", 100.0, 6e6, 0),
+                    ("fsdp_q8w_q8g", 50.0, 1.5e6, 4e6),
+                    ("fsdp_q8w", 40.0, 4.5e6, 0),
+                )
+            ],  # fmt: skip
         }
-    ]
+    ],
 }
 
 
@@ -58,3 +72,11 @@ def test_no_target_before_dense_fsdp_has_three_seeds():
     text = fsdp_report.markdown(few, TIMING)
     assert "No target yet: fsdp has 2 of 3 seeds." in text and "Target" not in text
     assert "| fsdp | 0, 1 | 1.7000 / 1.7200 |" in text and "| fsdp_bf16w | 0 | 1.9000 |" in text
+
+
+def test_the_timing_rows_follow_the_time_to_target():
+    text = fsdp_report.markdown(TRAJ, TIMING)
+    assert text.index("| variant | seeds |") < text.index("| link | variant | MB/step |")
+    # bytes against dense FSDP's (1.5 MB / 6 MB), memory per worker, residuals, step range
+    assert "| 100mbit | fsdp_q8w_q8g | 1.50 | 0.25x | 2.00 | 4.00 | 4.00 | 50 (45–55) | 3.300 |" \
+        in text  # fmt: skip

@@ -5,7 +5,8 @@ loopback) give its final validation loss and its steps to a target; the
 target is :func:`experiments.studies.verdict.choose_target` over dense FSDP's
 (``fsdp``) seeds, as the LM study takes it over dense's. A link's time to
 target is an estimate: the median steps to target times the variant's median
-step on that link from the timing rows (``fsdp.json``).
+step on that link from the timing rows (``fsdp.json``), whose own table
+(:func:`timing_markdown`: bytes, memory per worker, step) follows.
 """
 
 from __future__ import annotations
@@ -105,4 +106,32 @@ def markdown(traj: dict, timing: dict | None = None) -> str:
             f"{' / '.join(f'{x:.4f}' for x in finals)} | {statistics.median(finals):.4f} | "
             f"{band} | {reach} |" + "".join(f" {c} |" for c in cells)
         )
+    if timing:
+        lines += ["", timing_markdown(timing).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def timing_markdown(results: dict) -> str:
+    """The timing rows (``fsdp.json``): per link and variant, the bytes one worker puts
+    into a step's collectives, its memory read from the arrays' shardings, the step."""
+    lines = [
+        "Sharded training (`python -m experiments.bench.fsdp`), the LM study's GPT and AdamW, "
+        f"{results['processes']} processes; bytes: one worker's collective operands per step; "
+        "memory: one worker's parameters, optimizer state and gradient residuals; step: median "
+        "(min–max) ms; loss: the last step's, on the same batches for every row.",
+        "",
+        "| link | variant | MB/step | vs fsdp | params MB | optimizer MB | residual MB "
+        "| step ms | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for link in results["links"]:
+        base = next((r for r in link["rows"] if r["variant"] == "fsdp"), None)
+        for r in link["rows"]:
+            ratio = f"{r['bytes_per_step'] / base['bytes_per_step']:.2f}x" if base else "—"
+            lines.append(
+                f"| {link['rate']} | {r['variant']} | {r['bytes_per_step'] / 1e6:.2f} | {ratio} "
+                f"| {r['params'] / 1e6:.2f} | {r['opt_state'] / 1e6:.2f} "
+                f"| {r.get('comm_state', 0) / 1e6:.2f} | {r['step_ms']:.0f} "
+                f"({r['step_ms_min']:.0f}–{r['step_ms_max']:.0f}) | {r['loss']:.3f} |"
+            )
     return "\n".join(lines) + "\n"
