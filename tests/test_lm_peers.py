@@ -64,6 +64,9 @@ def test_only_methods_probed_on_every_link_enter():
     no_peer = study(without={(m, "loopback") for m in STEP_10MBIT if m.startswith("torch")})
     assert lm_peers.lines(no_peer) == []
     assert lm_peers.verdicts(study(without={("dense", "10mbit")})) is None
+    no_ft = study(without={(m, "10mbit") for m in ("torchft_streaming", "torchft_diloco")})
+    row = next(x for x in lm_peers.lines(no_ft) if x.startswith("| 10 Mbit/s |"))
+    assert "| none with 3 seeds and every link probed |" in row and row.endswith("| — |")
 
 
 def test_step_over_each_frameworks_own_floor():

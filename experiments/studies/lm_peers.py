@@ -85,7 +85,7 @@ def best(v: dict, rate: str) -> dict[str, dict | None]:
 
 def _cell(entry: dict | None) -> str:
     if entry is None:
-        return "not run"
+        return "none with 3 seeds and every link probed"
     if entry["method"] is None:
         f = entry["fastest"]
         why = f["cell"]["note"] or "no time that counts"
