@@ -111,3 +111,17 @@ def test_no_floor_column_for_another_optimizer_and_no_best_from_a_superseded_met
     assert "muon" not in lm_peers.over_floor(s, v, 2) and "dense" in lm_peers.over_floor(s, v, 2)
     s["superseded"] = {"muon": "ran older code"}
     assert lm_peers.best(lm_peers.verdicts(s), "10mbit")["jaxcomm"]["method"] == "bf16"
+
+
+def test_readme_headline_names_each_frameworks_best_and_the_dense_excess():
+    s = study()
+    text = lm_peers.headline(s)
+    # closed form: 1 + 190 s per second of step (the median seed's 190 steps)
+    assert "at 10 Mbit/s jaxcomm's bf16 191 s, DDP's torch_ddp 476 s (2.49×), torchft's " \
+           "torchft_streaming 305 s (1.60×)" in text  # fmt: skip
+    assert "floor" not in text
+    s["probes"] += [probe("nocomm", 0.05, rate="loopback"),
+                    probe("torch_nocomm", 0.08, rate="loopback")]  # fmt: skip
+    assert "+1950 against +2420 ms" in lm_peers.headline(s)
+    no_peer = study(without={(m, "loopback") for m in STEP_10MBIT if m.startswith("torch")})
+    assert lm_peers.headline(no_peer) is None

@@ -210,3 +210,37 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
             ]
             pairs.append(f"- {jax} against {torch}, ms beyond each one's floor: {'; '.join(ex)}.")
     return out + ([""] + pairs if pairs else [])
+
+
+def headline(results: dict, n: int = 2) -> str | None:
+    """One sentence for the README: per shaped link, each framework's best time to target
+    (:func:`best`), and jaxcomm's dense step over its floor against DDP's; None until the
+    block exists (:func:`lines`)."""
+    v = verdicts(results, n)
+    if v is None or not any(m in TORCH for m in v["methods"]):
+        return None
+
+    def one(e: dict | None) -> str:
+        if e is None or e["method"] is None:
+            return "none that counts" if e else "not probed on every link"
+        return f"{e['method']} {report._s(e['cell']['median'])} s"
+
+    parts = []
+    for rate in RATES[1:]:
+        b = best(v, rate)
+        ddp, ft = _versus(b["jaxcomm"], b["PyTorch DDP"]), _versus(b["jaxcomm"], b["torchft"])
+        parts.append(
+            f"at {report.RATE_NAMES[rate]} jaxcomm's {one(b['jaxcomm'])}, DDP's "
+            f"{one(b['PyTorch DDP'])} ({ddp.split(' ')[0]}), torchft's {one(b['torchft'])} "
+            f"({ft.split(' ')[0]})"
+        )
+    over = over_floor(results, v, n)
+    floor = ""
+    if "dense" in over and "torch_ddp" in over:
+        ex = [f"{over['dense'][r][0] - over['dense'][r][1]:+.0f} against "
+              f"{over['torch_ddp'][r][0] - over['torch_ddp'][r][1]:+.0f} ms"
+              for r in RATES[1:] if r in over["dense"] and r in over["torch_ddp"]]  # fmt: skip
+        floor = (f"; jaxcomm's dense step over its floor against DDP's: {', '.join(ex)} "
+                 f"({', '.join(report.RATE_NAMES[r] for r in RATES[1:])})")  # fmt: skip
+    return (f"{n} processes, time to target of each framework's fastest method that ends in the "
+            f"band (× = the other's time over jaxcomm's): {'; '.join(parts)}{floor}.")  # fmt: skip

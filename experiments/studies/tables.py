@@ -34,7 +34,7 @@ from experiments.bench import (
     overlap,
     step_parts_report,
 )
-from experiments.studies import lm_progress, netstudy, report
+from experiments.studies import lm_peers, lm_progress, netstudy, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -153,9 +153,18 @@ def _accelerator_headline() -> list[str]:
     ]
 
 
+def _peers_headline() -> list[str]:
+    text = lm_peers.headline(_load("lm_study_learned.json"))
+    if text is None:
+        return []
+    return [f"- Beside PyTorch DDP and torchft on the LM ({_link('lm_study_learned')}): {text}"]
+
+
 def _headlines() -> str:
     """The README's few headline results, each linking the study file with its tables."""
-    return "\n".join(_auto_headline() + _overlap_headline() + _accelerator_headline())
+    return "\n".join(
+        _auto_headline() + _overlap_headline() + _peers_headline() + _accelerator_headline()
+    )
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
