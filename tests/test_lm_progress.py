@@ -81,3 +81,10 @@ def test_the_probes_so_far_are_tabled_per_method_and_link():
     assert "| dense | 210 (200–250; 3) | 2900 (2800–3100; 3) |" in text
     assert "| bf16 | — | 1500 (1400–1600; 3) ≠ |" in text  # its loss left the trajectory
     assert "Probes so far" not in lm_progress.report(RESULTS)
+    # not comparable with the trajectory (no evaluation at the probe's step): the probes of
+    # a method are compared with each other, across links
+    results["probes"] = [_probe("dense", "loopback", [0.2] * 3, ref=None),
+                         _probe("dense", "10mbit", [3.0] * 3, ref=None)]  # fmt: skip
+    assert "| dense | 200 (200–200; 3) | 3000 (3000–3000; 3) |" in lm_progress.report(results)
+    results["probes"][1]["repeats"][2]["probe_check"]["probe_eval_loss"] = 1.5000001
+    assert "| dense | 200 (200–200; 3) ≠ | 3000 (3000–3000; 3) ≠ |" in lm_progress.report(results)

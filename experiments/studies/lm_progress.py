@@ -156,9 +156,15 @@ def probes_table(results: dict, n: int = 2) -> list[str]:
     order = {m: i for i, m in enumerate(METHODS)}
     shown = {m for _, m in cells if m not in TRIED}
     methods = sorted(shown, key=lambda m: order.get(m, len(order)))
+    losses: dict[str, set] = {}  # every probe of a method stops at the same step
+    for p in (p for p in results["probes"] if p["n"] == n):
+        for r in p.get("repeats") or [p]:
+            losses.setdefault(p["method"], set()).add(r["probe_check"]["probe_eval_loss"])
     lines = ["", f"Probes so far ({n} processes, seed 0's schedule, today's code): the median "
-             "step in ms (range; probes); ≠ marks a cell whose probe's validation loss differed "
-             "from the loopback trajectory's at the same step.", "",
+             "step in ms (range; probes). Every probe of a method stops at the same step; ≠ "
+             "marks a cell whose validation loss there differs from another probe's of the "
+             "method (on any link) or from the loopback trajectory's where it evaluates at "
+             "that step.", "",
              "| method | " + " | ".join(rates) + " |", "|---|" + "---|" * len(rates)]  # fmt: skip
     for m in methods:
         row = []
@@ -167,7 +173,7 @@ def probes_table(results: dict, n: int = 2) -> list[str]:
             if c is None:
                 row.append("—")
                 continue
-            mark = " ≠" if c["trajectory_equal"] is False else ""
+            mark = " ≠" if c["trajectory_equal"] is False or len(losses[m]) > 1 else ""
             row.append(f"{1e3 * c['step_s']:.0f} ({1e3 * c['step_s_min']:.0f}–"
                        f"{1e3 * c['step_s_max']:.0f}; {c['probes']}){mark}")  # fmt: skip
         lines.append(f"| {m} | " + " | ".join(row) + " |")
