@@ -12,7 +12,9 @@ method whose median final is outside the 2% band has no time that counts.
 This block is built only from methods with 3 seeds and probes on every link of
 :data:`RATES`, loopback included (so that the loopback column is timed on quiet
 cores for every row alike). Per link, each framework's best method is the fastest
-that counts; jaxcomm's is then set against DDP's and torchft's best.
+on AdamW that counts (the same optimizer on both sides: Muon, MuLoCo and DeMo
+are in the time table, not in this choice); jaxcomm's is then set against
+DDP's and torchft's best.
 
 Each framework's own compute floor (:data:`~experiments.studies.lm_methods.FLOORS`:
 the same step with nothing exchanged, probed on loopback) sets the step times
@@ -63,13 +65,15 @@ def verdicts(results: dict, n: int = 2) -> dict | None:
 
 
 def best(v: dict, rate: str) -> dict[str, dict | None]:
-    """Per framework, its fastest method on ``rate`` whose time counts (every seed reached
-    the target and the median final is within the band): ``{"method", "cell", "final"}``,
+    """Per framework, its fastest method on ``rate`` on AdamW (:func:`on_adamw`: the same
+    optimizer on both sides) whose time counts (every seed reached the target and the
+    median final is within the band): ``{"method", "cell", "final"}``,
     or None with the fastest that does not count as ``{"method": None, "fastest": ...}``."""
     out = {}
     for name, belongs in FRAMEWORKS.items():
         cands = {m: row for m, row in v["methods"].items()
-                 if belongs(m) and m not in v["superseded"] and rate in row["links"]}  # fmt: skip
+                 if belongs(m) and on_adamw(m) and m not in v["superseded"]
+                 and rate in row["links"]}  # fmt: skip
         if not cands:
             out[name] = None
             continue
@@ -121,8 +125,9 @@ def lines(results: dict, n: int = 2) -> list[str]:
     out += report._time_table(v, methods)
     out += [
         "",
-        "Per link, each framework's fastest method whose time counts (every seed reaches the "
-        "target and the median final is within the band), and jaxcomm's against the others': "
+        "Per link, each framework's fastest method on AdamW whose time counts (every seed "
+        "reaches the target and the median final is within the band), and jaxcomm's against "
+        "the others': "
         "the other's median time over jaxcomm's median (above 1: jaxcomm reaches the target "
         "sooner; range: over jaxcomm's slowest … fastest seed):",
         "",
@@ -146,15 +151,16 @@ def lines(results: dict, n: int = 2) -> list[str]:
     return out
 
 
+def on_adamw(method: str) -> bool:
+    """Whether ``method`` trains with the peers' optimizer, AdamW (every torch method does;
+    Muon, MuLoCo's Muon inner steps and DeMo do not)."""
+    return method in TORCH or lm_shakespeare.get_config(variant(method)).optimizer.name == "adamw"
+
+
 def has_floor(method: str) -> bool:
-    """Whether ``method``'s step is its framework's floor plus an exchange: the torch twin's
-    (AdamW in every hook), or the harness's on AdamW (not overlapped)."""
-    if method in TORCH:
-        return True
-    return (
-        method not in OVERLAP
-        and lm_shakespeare.get_config(variant(method)).optimizer.name == "adamw"
-    )
+    """Whether ``method``'s step is its framework's floor plus an exchange: the torch twin's,
+    or the harness's on AdamW (not overlapped: one call a step)."""
+    return on_adamw(method) and (method in TORCH or method not in OVERLAP)
 
 
 def over_floor(results: dict, v: dict, n: int) -> dict[str, dict[str, tuple[float, float]]]:
