@@ -128,3 +128,22 @@ def test_readme_headline_names_each_frameworks_best_and_the_dense_excess():
     assert "+1950 against +2420 ms" in lm_peers.headline(s)
     no_peer = study(without={(m, "loopback") for m in STEP_10MBIT if m.startswith("torch")})
     assert lm_peers.headline(no_peer) is None
+
+
+def test_a_peer_ahead_is_explained_by_how_jaxcomm_s_run_of_the_same_method_ends():
+    s = study()
+    s["probes"] = [
+        p for p in s["probes"] if (p["method"], p["rate"]) != ("torchft_streaming", "10mbit")
+    ]
+    s["probes"].append(probe("torchft_streaming", 0.5))  # ahead of bf16's 1.0 at 10 Mbit/s
+    for seed, f in enumerate((2.0, 2.3, 2.05)):  # seed 1 misses the target 2.142
+        s["runs"].append({"n": 2, "method": "streaming", "seed": seed, "curve": curve(decay(f))})
+    s["probes"] += [probe("streaming", 0.3, rate=r) for r in lm_peers.RATES]
+    text = lm_peers.headline(s)
+    assert "torchft's torchft_streaming 96.0 s (0.50×)" in text  # 1 + 190 x 0.5 against 191
+    assert text.endswith(
+        "; torchft_streaming is ahead: jaxcomm's streaming (the same settings) reaches the "
+        "target on 2 of 3 seeds, finals 2.0000 / 2.3000 / 2.0500 against 2.0000 / 2.1000 / "
+        "2.0500."
+    )
+    assert "is ahead" not in lm_peers.headline(study())

@@ -231,10 +231,12 @@ def headline(results: dict, n: int = 2) -> str | None:
             return "none that counts" if e else "not probed on every link"
         return f"{e['method']} {report._s(e['cell']['median'])} s"
 
-    parts = []
+    parts, behind = [], set()
     for rate in RATES[1:]:
         b = best(v, rate)
         ddp, ft = _versus(b["jaxcomm"], b["PyTorch DDP"]), _versus(b["jaxcomm"], b["torchft"])
+        behind |= {b[k]["method"] for k in ("PyTorch DDP", "torchft") if _versus(b["jaxcomm"], b[k])
+                   != "—" and b[k]["cell"]["median"] < b["jaxcomm"]["cell"]["median"]}  # fmt: skip
         parts.append(
             f"at {report.RATE_NAMES[rate]} jaxcomm's {one(b['jaxcomm'])}, DDP's "
             f"{one(b['PyTorch DDP'])} ({ddp.split(' ')[0]}), torchft's {one(b['torchft'])} "
@@ -248,5 +250,16 @@ def headline(results: dict, n: int = 2) -> str | None:
               for r in RATES[1:] if r in over["dense"] and r in over["torch_ddp"]]  # fmt: skip
         floor = (f"; jaxcomm's dense step over its floor against DDP's: {', '.join(ex)} "
                  f"({', '.join(report.RATE_NAMES[r] for r in RATES[1:])})")  # fmt: skip
-    return (f"{n} processes, time to target of each framework's fastest method that ends in the "
-            f"band (× = the other's time over jaxcomm's): {'; '.join(parts)}{floor}.")  # fmt: skip
+    why = ""
+    for m in sorted(behind):  # a peer ahead: how jaxcomm's run of the same method ends
+        twin = variant(m)
+        if twin != "dense" and twin in v["methods"]:
+            mine, theirs = v["methods"][twin], v["methods"][m]
+            reach = mine["links"]["loopback"]
+            why += (f"; {m} is ahead: jaxcomm's {twin} (the same settings) reaches the target on "
+                    f"{reach['reached']} of {reach['seeds']} seeds, finals "
+                    f"{' / '.join(f'{x:.4f}' for x in mine['finals'])} against "
+                    f"{' / '.join(f'{x:.4f}' for x in theirs['finals'])}")  # fmt: skip
+    return (f"{n} processes, time to target of each framework's fastest method on AdamW that ends "
+            f"in the band (× = the other's time over jaxcomm's): {'; '.join(parts)}{floor}"
+            f"{why}.")  # fmt: skip
