@@ -64,3 +64,25 @@ def test_editing_one_number_of_a_study_file_fails_the_check(name, tmp_path, monk
     (tmp_path / fname).write_text(edit_one_number(text))
     monkeypatch.setattr(tables, "RESULTS", str(tmp_path))
     assert tables.stale_documents() == [name]
+
+
+def test_the_generated_text_does_not_depend_on_the_hash_seed():
+    """Sets of method names are iterated in hash order, which changes with PYTHONHASHSEED
+    from one process to the next: every table must come out alike (CI's clean clone once
+    wrote two floors in the other order)."""
+    import subprocess
+    import sys
+
+    code = ("from experiments.studies import tables; "
+            "print(''.join(r() for _, r in sorted(tables.RENDERERS.items())))")  # fmt: skip
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout  # fmt: skip
+        for seed in (1, 2, 3, 4)
+    }
+    assert len(outs) == 1

@@ -50,7 +50,7 @@ def probed_everywhere(results: dict, n: int) -> list[str]:
     cells = report.cell_probes(results, n)
     order = {m: i for i, m in enumerate(METHODS)}
     found = {m for _, m in cells if all((r, m) in cells for r in RATES)}
-    return sorted(found, key=lambda m: order.get(m, len(order)))
+    return sorted(found, key=lambda m: (order.get(m, len(order)), m))  # a set: ties by name
 
 
 def verdicts(results: dict, n: int = 2) -> dict | None:

@@ -155,7 +155,7 @@ def probes_table(results: dict, n: int = 2) -> list[str]:
     rates = [r for r in RATE_ORDER if any(k[0] == r for k in cells)]
     order = {m: i for i, m in enumerate(METHODS)}
     shown = {m for _, m in cells if m not in TRIED}
-    methods = sorted(shown, key=lambda m: order.get(m, len(order)))
+    methods = sorted(shown, key=lambda m: (order.get(m, len(order)), m))  # a set: ties by name
     losses: dict[str, set] = {}  # every probe of a method stops at the same step
     for p in (p for p in results["probes"] if p["n"] == n):
         for r in p.get("repeats") or [p]:
