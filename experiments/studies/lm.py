@@ -36,7 +36,8 @@ sends it) and as users run it, each exchange overlapped with the inner steps
 that follow (``*_overlap``: :mod:`experiments.bench.overlap_lm_train`, the same
 arithmetic; only the step times differ). Each framework's compute floor
 (``FLOORS``: ``nocomm``, ``torch_nocomm``, the step with nothing exchanged) is
-probed on loopback only, without trajectories (``--methods=nocomm,torch_nocomm``).
+probed on loopback only, without trajectories (in the default ``--methods``;
+``--methods=nocomm,torch_nocomm`` probes just them).
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -81,7 +82,7 @@ CONFIG = "experiments/configs/lm_shakespeare.py"
 def define_flags() -> None:
     flags.DEFINE_list("processes", ["2"], "process counts")
     flags.DEFINE_list("rates", ["100mbit", "10mbit"], "shaped link rates (loopback always runs)")
-    flags.DEFINE_list("methods", METHODS, "lm_shakespeare config variants")
+    flags.DEFINE_list("methods", [*METHODS, *FLOORS], "lm_shakespeare config variants")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the loopback trajectories")
     flags.DEFINE_integer("steps", 0, "training steps of a full run (0: the config's schedule)")
     flags.DEFINE_integer("probes", 3, "probes (separate launches) per shaped (method, link) cell")

@@ -99,12 +99,18 @@ def _cell(entry: dict | None) -> str:
             f"{report._s(c['max'])}), final {f['median']:.4f}")  # fmt: skip
 
 
-def _versus(jax: dict | None, other: dict | None) -> str:
+def _ratio(jax: dict | None, other: dict | None) -> tuple[float, float, float] | None:
+    """The other's median time over jaxcomm's median, slowest and fastest seed (above 1:
+    jaxcomm reaches the target sooner), or None where either side has no time that counts."""
     if not jax or jax["method"] is None or not other or other["method"] is None:
-        return "—"
+        return None
     j, o = jax["cell"], other["cell"]
-    return (f"{o['median'] / j['median']:.2f}× ({o['median'] / j['max']:.2f}–"
-            f"{o['median'] / j['min']:.2f})")  # fmt: skip
+    return o["median"] / j["median"], o["median"] / j["max"], o["median"] / j["min"]
+
+
+def _versus(jax: dict | None, other: dict | None) -> str:
+    r = _ratio(jax, other)
+    return "—" if r is None else f"{r[0]:.2f}× ({r[1]:.2f}–{r[2]:.2f})"
 
 
 def lines(results: dict, n: int = 2) -> list[str]:
@@ -234,13 +240,12 @@ def headline(results: dict, n: int = 2) -> str | None:
     parts, behind = [], set()
     for rate in RATES[1:]:
         b = best(v, rate)
-        ddp, ft = _versus(b["jaxcomm"], b["PyTorch DDP"]), _versus(b["jaxcomm"], b["torchft"])
-        behind |= {b[k]["method"] for k in ("PyTorch DDP", "torchft") if _versus(b["jaxcomm"], b[k])
-                   != "—" and b[k]["cell"]["median"] < b["jaxcomm"]["cell"]["median"]}  # fmt: skip
+        ratios = {k: _ratio(b["jaxcomm"], b[k]) for k in ("PyTorch DDP", "torchft")}
+        behind |= {b[k]["method"] for k, r in ratios.items() if r is not None and r[0] < 1}
+        ddp, ft = (f"{r[0]:.2f}×" if r else "—" for r in ratios.values())
         parts.append(
             f"at {report.RATE_NAMES[rate]} jaxcomm's {one(b['jaxcomm'])}, DDP's "
-            f"{one(b['PyTorch DDP'])} ({ddp.split(' ')[0]}), torchft's {one(b['torchft'])} "
-            f"({ft.split(' ')[0]})"
+            f"{one(b['PyTorch DDP'])} ({ddp}), torchft's {one(b['torchft'])} ({ft})"
         )
     over = over_floor(results, v, n)
     floor = ""
