@@ -173,15 +173,17 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     """experiments.bench.torch_lm_train on 2 processes (gloo), 4 steps, dense and PowerSGD:
     rows in the JAX harness's format; dense DDP's model after 4 steps equals AdamW on the
     mean of the two ranks' gradients computed here (each rank's windows as the harness
-    draws them); bytes: dense 4 D a step, PowerSGD fewer. The compute floor (``nocomm``)
-    sends nothing and rank 0's model is AdamW on rank 0's own gradients."""
+    draws them); bytes: dense 4 D a step, PowerSGD fewer. ``after`` (one flat all-reduce
+    after the backward pass) equals dense DDP, ``after_fp16`` sends 2 D bytes a step. The
+    compute floor (``nocomm``) sends nothing and rank 0's model is AdamW on rank 0's own
+    gradients."""
     import json
 
     from experiments.studies import lm
     from tests.test_distributed import launch
 
     rows = {}
-    for hook in ("none", "powersgd", "nocomm"):
+    for hook in ("none", "powersgd", "after", "after_fp16", "nocomm"):
         work = tmp_path / hook
         run = launch(2, 1, "-m", "experiments.bench.torch_lm_train", f"--hook={hook}",
                      f"--workdir={work}", "--stop_after=4", "--eval_every=2")  # fmt: skip
@@ -197,26 +199,34 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     # the reference: one process, both ranks' gradients averaged
     config = lm_shakespeare.get_config("dense")
     ds = data.shakespeare(2, seq_len=config.data.seq_len, test_windows=config.data.test_windows)
-    torch.manual_seed(0)
-    model = torch_lm.from_config(config)
-    opt, sched = torch_lm.adamw(model, config)
     streams = [np.asarray(ds.x_train[r]) for r in range(2)]
     seq, per = config.data.seq_len, config.data.batch_size
     starts = [torch_lm.batch_starts(0, r, range(4), len(streams[r]), per, seq) for r in range(2)]
-    for step in range(4):
-        grads = []
-        for r in range(2):
-            model.zero_grad()
-            x, y = torch_lm.windows(streams[r], starts[r][step], seq)
-            torch_lm.lm_loss(model(x), y).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for p, g0, g1 in zip(model.parameters(), *grads):
-            p.grad = (g0 + g1) / 2
-        opt.step()
-        sched.step()
-    want = torch_lm.evaluate(model, ds.x_test)
+
+    def averaged(combine):  # AdamW on both ranks' gradients combined (AdamW: a mean or sum)
+        torch.manual_seed(0)
+        model = torch_lm.from_config(config)
+        opt, sched = torch_lm.adamw(model, config)
+        for step in range(4):
+            grads = []
+            for r in range(2):
+                model.zero_grad()
+                x, y = torch_lm.windows(streams[r], starts[r][step], seq)
+                torch_lm.lm_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for p, g0, g1 in zip(model.parameters(), *grads):
+                p.grad = combine(g0, g1)
+            opt.step()
+            sched.step()
+        return torch_lm.evaluate(model, ds.x_test)
+
+    want = averaged(lambda g0, g1: (g0 + g1) / 2)
     assert rows["none"][-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
     assert rows["none"][-1]["eval_loss"] < rows["none"][0]["eval_loss"]
+    # after the backward pass, one flat buffer: the same bytes and the same model as DDP's
+    assert [r["wire_bytes"] for r in rows["after"]] == [2 * 4 * d, 4 * 4 * d]
+    assert rows["after"][-1]["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+    assert [r["wire_bytes"] for r in rows["after_fp16"]] == [2 * 2 * d, 4 * 2 * d]
     # the floor: nothing sent, rank 0 alone on its own windows
     assert [r["wire_bytes"] for r in rows["nocomm"]] == [0, 0]
     torch.manual_seed(0)
@@ -233,3 +243,44 @@ def test_ddp_runs_write_the_harness_rows_and_step_as_the_mean_gradient(tmp_path)
     alone = torch_lm.evaluate(model, ds.x_test)["eval_loss"]
     assert rows["nocomm"][-1]["eval_loss"] == pytest.approx(alone, rel=1e-5)
     assert alone != pytest.approx(want["eval_loss"], rel=1e-5)
+
+
+def _after_rank(rank: int, init: str, out: str, half: bool) -> None:
+    from experiments.bench import torch_lm_train
+
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    for i, p in enumerate(model.parameters()):  # each rank its own gradient
+        g = torch.linspace(-1.0, 1.0, p.numel()) * (rank + 1.3) / (i + 0.7)
+        p.grad = (g + 1e-4 * torch.sin(torch.arange(p.numel()) * (rank + 1.0))).view_as(p)
+    torch_lm_train.exchange_after(model, half, 2)
+    torch.save([p.grad for p in model.parameters()], f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_exchange_after_averages_the_flat_gradient_like_ddp_hooks(tmp_path, half):
+    """``--hook=after`` / ``after_fp16``'s exchange on 2 gloo ranks: every rank's gradients
+    become (g0 + g1) / 2 exactly (float32), or fp16(g0 / 2) + fp16(g1 / 2) in float16
+    (``fp16_compress_hook``'s arithmetic), leaf by leaf in the model's order."""
+    import torch.multiprocessing as mp
+
+    init, out = f"file://{tmp_path / 'rendezvous'}", str(tmp_path / "grads")
+    mp.spawn(_after_rank, args=(init, out, half), nprocs=2, join=True)
+    got = [torch.load(f"{out}.{r}") for r in range(2)]
+    ranks = []
+    for rank in range(2):
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+        ranks.append([
+            (torch.linspace(-1.0, 1.0, p.numel()) * (rank + 1.3) / (i + 0.7)
+             + 1e-4 * torch.sin(torch.arange(p.numel()) * (rank + 1.0))).view_as(p)
+            for i, p in enumerate(model.parameters())
+        ])  # fmt: skip
+    for k, (g0, g1) in enumerate(zip(*ranks)):
+        if half:
+            want = ((g0.half() / 2) + (g1.half() / 2)).float()
+        else:
+            want = (g0 + g1) / 2
+        for r in range(2):
+            torch.testing.assert_close(got[r][k], want, rtol=0, atol=0)
+    assert not torch.equal(got[0][0], ranks[0][0])

@@ -15,6 +15,12 @@ windows as the JAX harness's worker of that index, under
   — torch needs >= 2 with error feedback — and min compression rate 2;
   1-D tensors go uncompressed, as with jaxcomm's ``policy="matrices"``);
   one bucket (torch's hook fails on gloo with more than one);
+- ``after`` / ``after_fp16``: no DDP; once the whole backward pass is done, one
+  ``all_reduce`` of the gradient flattened into one buffer (float32, or float16
+  divided by the world size first, as ``fp16_compress_hook`` does): the same
+  bytes as ``none`` / ``fp16`` with none of DDP's overlap of its buckets'
+  all-reduces with the backward pass, as jaxcomm's harness exchanges (the
+  comparison's diagnostic: how much of DDP's step is that overlap);
 - ``nocomm``: no DDP and no exchange, each rank training its own copy on its own
   batches: PyTorch's compute floor, the step every other hook's is set against
   (the validation loss is rank 0's own model's, the training loss the mean over
@@ -60,7 +66,7 @@ from experiments.bench.torch_peers import ByteCounter, init_env
 from experiments.configs import lm_shakespeare
 
 FLAGS = flags.FLAGS
-HOOKS = ("none", "fp16", "powersgd", "nocomm", *torch_lm_ft.VARIANT)
+HOOKS = ("none", "fp16", "powersgd", "after", "after_fp16", "nocomm", *torch_lm_ft.VARIANT)
 
 
 def define_flags() -> None:
@@ -92,6 +98,25 @@ def wrap(model: torch.nn.Module, hook: str, rank: int) -> DDP:
     return ddp
 
 
+def exchange_after(model: torch.nn.Module, half: bool, world: int) -> None:
+    """Average the gradients over the ranks with one all-reduce of one flat buffer, after
+    the backward pass (``--hook=after``; ``half``: in float16, pre-divided, as
+    ``fp16_compress_hook``)."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if half:
+        flat = flat.to(torch.float16).div_(world)
+        dist.all_reduce(flat)
+        flat = flat.to(torch.float32)
+    else:
+        dist.all_reduce(flat)
+        flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def main(argv) -> None:
     del argv
     rank, world = init_env()
@@ -116,7 +141,7 @@ def main(argv) -> None:
     if FLAGS.hook in torch_lm_ft.VARIANT:  # torchft: each rank trains its own copy
         ddp = model
         outer, manager, lighthouse = torch_lm_ft.diloco(model, opt, FLAGS.hook, counter)
-    elif FLAGS.hook == "nocomm":  # the compute floor: no DDP, nothing exchanged
+    elif FLAGS.hook in ("nocomm", "after", "after_fp16"):  # no DDP (the floor: nothing sent)
         ddp = model
     else:
         ddp = wrap(model, FLAGS.hook, FLAGS.rank)
@@ -132,6 +157,8 @@ def main(argv) -> None:
             loss = torch_lm.lm_loss(ddp(x), y)
             opt.zero_grad(set_to_none=False)
             loss.backward()
+            if FLAGS.hook.startswith("after"):
+                exchange_after(model, FLAGS.hook == "after_fp16", world)
             loss = loss.detach()
             opt.step()
             sched.step()
