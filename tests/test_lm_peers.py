@@ -147,3 +147,21 @@ def test_a_peer_ahead_is_explained_by_how_jaxcomm_s_run_of_the_same_method_ends(
         "2.0500."
     )
     assert "is ahead" not in lm_peers.headline(study())
+
+
+def test_ddp_without_its_overlap_is_a_row_beside_its_pair_and_never_a_best():
+    s = study()
+    s["probes"] += [probe("nocomm", 0.05, rate="loopback"),
+                    probe("torch_nocomm", 0.08, rate="loopback")]  # fmt: skip
+    # DDP's exchange after the backward pass: 2.9 s a step at 10 Mbit/s
+    after = (("loopback", 0.12), ("100mbit", 0.3), ("10mbit", 2.9))
+    s["probes"] += [probe("torch_after", step, rate=r) for r, step in after]
+    text = lm_peers.lines(s)
+    row = next(x for x in text if x.startswith("| torch_after |"))
+    assert row.endswith("| 2900: +2820 (36.2×) |")  # against torch's floor, 80 ms
+    pair = next(x for x in text if x.startswith("- dense against torch_ddp"))
+    assert pair.endswith("10 Mbit/s 1950 against 2420 (2820 without overlap).")
+    # probed on every link, yet no time to target, no best, no verdict row
+    assert "torch_after" not in lm_peers.probed_everywhere(s, 2)
+    assert all("torch_after" not in x for x in text if x.startswith("| 10 Mbit/s |"))
+    assert "torch_after" not in lm_peers.verdicts(s)["methods"]

@@ -37,7 +37,10 @@ that follow (``*_overlap``: :mod:`experiments.bench.overlap_lm_train`, the same
 arithmetic; only the step times differ). Each framework's compute floor
 (``FLOORS``: ``nocomm``, ``torch_nocomm``, the step with nothing exchanged) is
 probed on loopback only, without trajectories (in the default ``--methods``;
-``--methods=nocomm,torch_nocomm`` probes just them).
+``--methods=nocomm,torch_nocomm`` probes just them). So is, on every link, DDP's
+exchange without its overlap (``UNOVERLAPPED``: ``torch_after``,
+``torch_after_fp16``: one all-reduce of the flat gradient after the backward pass),
+the diagnostic of where DDP's step over its floor differs from jaxcomm's.
 
 *probes* (quiet cores): on loopback and on each shaped rate (``--rates``:
 every process in its own network namespace, each egress shaped by
@@ -73,7 +76,7 @@ from absl import app, flags
 
 from experiments.configs import lm_shakespeare
 from experiments.studies import lm_figure, ngram, report, runs
-from experiments.studies.lm_methods import FLOORS, METHODS, OVERLAP, TORCH, sync_period
+from experiments.studies.lm_methods import FLOORS, METHODS, OVERLAP, PROBE_ONLY, TORCH, sync_period
 
 FLAGS = flags.FLAGS
 CONFIG = "experiments/configs/lm_shakespeare.py"
@@ -82,7 +85,7 @@ CONFIG = "experiments/configs/lm_shakespeare.py"
 def define_flags() -> None:
     flags.DEFINE_list("processes", ["2"], "process counts")
     flags.DEFINE_list("rates", ["100mbit", "10mbit"], "shaped link rates (loopback always runs)")
-    flags.DEFINE_list("methods", [*METHODS, *FLOORS], "lm_shakespeare config variants")
+    flags.DEFINE_list("methods", [*METHODS, *PROBE_ONLY], "lm_shakespeare config variants")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds of the loopback trajectories")
     flags.DEFINE_integer("steps", 0, "training steps of a full run (0: the config's schedule)")
     flags.DEFINE_integer("probes", 3, "probes (separate launches) per shaped (method, link) cell")
@@ -270,7 +273,7 @@ def main(argv: list[str]) -> None:
     for n in map(int, FLAGS.processes):
         for seed in map(int, FLAGS.seeds) if "runs" in phases else ():
             for method in FLAGS.methods:
-                if (n, method, seed) in have or method in FLOORS:  # a floor: probes only
+                if (n, method, seed) in have or method in PROBE_ONLY:  # probes only
                     continue
                 run = run_training(n, "loopback", method, seed, steps, 0)
                 results["runs"].append({"n": n, "method": method, "seed": seed, **run})
@@ -287,7 +290,8 @@ def main(argv: list[str]) -> None:
                 floor = method in FLOORS  # probed on loopback only, with no trajectory
                 if floor and rate != "loopback":
                     continue
-                if (n, rate, method) not in probed and ((n, method, 0) in have or floor):
+                only = method in PROBE_ONLY  # no trajectory to wait for
+                if (n, rate, method) not in probed and ((n, method, 0) in have or only):
                     results["probes"].append(probe(results, n, rate, method, steps))
                     save()
         done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}

@@ -16,17 +16,24 @@ from experiments.configs import common, lm_shakespeare
 #: method -> ``torch_lm_train --hook``.
 TORCH = {"torch_ddp": "none", "torch_fp16": "fp16", "torch_powersgd": "powersgd",
          "torchft_diloco": "ft_diloco", "torchft_streaming": "ft_streaming",
-         "torch_nocomm": "nocomm"}  # fmt: skip
+         "torch_nocomm": "nocomm", "torch_after": "after",
+         "torch_after_fp16": "after_fp16"}  # fmt: skip
 #: Each framework's compute floor: the same step with nothing exchanged, each worker its
 #: own copy (probed only, never judged: its losses are one worker's). method -> framework.
 FLOORS = {"nocomm": "jaxcomm", "torch_nocomm": "PyTorch"}
+#: DDP's exchange without DDP's overlap: one all-reduce of the flat gradient after the
+#: backward pass, fp32 / fp16, as jaxcomm's harness exchanges (a diagnostic of the step
+#: over the floor, probed on every link, never judged): method -> the DDP method it mirrors.
+UNOVERLAPPED = {"torch_after": "torch_ddp", "torch_after_fp16": "torch_fp16"}
+#: Probed only, with no trajectories and no row in the verdict.
+PROBE_ONLY = (*FLOORS, *UNOVERLAPPED)
 #: Streaming DiLoCo as users run it, its exchanges overlapped with the inner steps
 #: (:mod:`experiments.bench.overlap_lm_train`): method -> the variant it runs.
 OVERLAP = {"streaming_overlap": "streaming", "streaming_int8_overlap": "streaming_int8",
            "streaming_q4_overlap": "streaming_q4"}  # fmt: skip
 METHODS = ["dense", "bf16", "powersgd", "topk", "threshold", "ef_sign", "int8_2p", "diloco",
            "streaming", "streaming_int8", "streaming_q4", "sparseloco", "muloco", "muon", "demo",
-           "demo_full", *OVERLAP, *(m for m in TORCH if m not in FLOORS)]  # fmt: skip
+           "demo_full", *OVERLAP, *(m for m in TORCH if m not in PROBE_ONLY)]  # fmt: skip
 #: Variants tried and left out of the grid (their runs stay in the JSON, shown apart from
 #: the table): method -> why. ``diloco_h1`` was DiLoCo's counterpart until it was seen not
 #: to train: Nesterov momentum 0.9 on top of every AdamW step plateaus (seed 0 ended at

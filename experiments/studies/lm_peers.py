@@ -24,14 +24,28 @@ jaxcomm's dense, bf16 and PowerSGD steps are set against DDP's with its hooks
 by that excess, not by the raw step. Only methods that run the floor's step plus
 an exchange get that column (:func:`has_floor`): not Muon or DeMo (another
 optimizer's compute) nor the overlapped Streaming DiLoCo (one call a step, not
-the harness's ten).
+the harness's ten). DDP overlaps its buckets' all-reduces with the backward pass
+and jaxcomm's harness exchanges after it, so DDP's exchange is also probed
+without that overlap (:data:`~experiments.studies.lm_methods.UNOVERLAPPED`: one
+all-reduce of the flat gradient after the backward pass): its step over the
+floor minus DDP's is what the overlap saves, and jaxcomm's excess is set against
+both.
 """
 
 from __future__ import annotations
 
 from experiments.configs import lm_shakespeare
 from experiments.studies import report, verdict
-from experiments.studies.lm_methods import FLOORS, METHODS, OVERLAP, TORCH, floor_of, variant
+from experiments.studies.lm_methods import (
+    FLOORS,
+    METHODS,
+    OVERLAP,
+    PROBE_ONLY,
+    TORCH,
+    UNOVERLAPPED,
+    floor_of,
+    variant,
+)
 
 #: The links of the comparison, in order.
 RATES = ("loopback", "100mbit", "10mbit")
@@ -40,7 +54,7 @@ PAIRS = (("dense", "torch_ddp"), ("bf16", "torch_fp16"), ("powersgd", "torch_pow
 #: Framework -> does this method belong to it.
 FRAMEWORKS = {
     "jaxcomm": lambda m: m not in TORCH and m not in FLOORS,
-    "PyTorch DDP": lambda m: m in TORCH and m not in FLOORS and not TORCH[m].startswith("ft_"),
+    "PyTorch DDP": lambda m: m in TORCH and m not in PROBE_ONLY and not TORCH[m].startswith("ft_"),
     "torchft": lambda m: m in TORCH and TORCH[m].startswith("ft_"),
 }
 
@@ -49,7 +63,7 @@ def probed_everywhere(results: dict, n: int) -> list[str]:
     """Methods with probes on every link of :data:`RATES` (in the study's order)."""
     cells = report.cell_probes(results, n)
     order = {m: i for i, m in enumerate(METHODS)}
-    found = {m for _, m in cells if all((r, m) in cells for r in RATES)}
+    found = {m for _, m in cells if m not in PROBE_ONLY and all((r, m) in cells for r in RATES)}
     return sorted(found, key=lambda m: (order.get(m, len(order)), m))  # a set: ties by name
 
 
@@ -170,15 +184,19 @@ def has_floor(method: str) -> bool:
 
 
 def over_floor(results: dict, v: dict, n: int) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per method of ``v`` and link: (its probed step, its framework's floor), in ms; only
-    where the floor is probed on loopback."""
+    """Per method of ``v`` (and DDP's exchange without its overlap,
+    :data:`~experiments.studies.lm_methods.UNOVERLAPPED`, where probed) and link: (its
+    probed step, its framework's floor), in ms; only where the floor is probed on loopback."""
     cells = report.cell_probes(results, n)
+    steps = {m: {r: c["step_ms"] for r, c in row["links"].items()}
+             for m, row in v["methods"].items() if has_floor(m)}  # fmt: skip
+    for m in UNOVERLAPPED:
+        steps[m] = {r: 1e3 * cells[(r, m)]["step_s"] for r in RATES if (r, m) in cells}
     out: dict[str, dict[str, tuple[float, float]]] = {}
-    for m, row in v["methods"].items():
+    for m, by_rate in steps.items():
         floor = cells.get(("loopback", floor_of(m)))
-        if floor is None or not has_floor(m):
-            continue
-        out[m] = {r: (c["step_ms"], 1e3 * floor["step_s"]) for r, c in row["links"].items()}
+        if floor is not None and by_rate:
+            out[m] = {r: (step, 1e3 * floor["step_s"]) for r, step in by_rate.items()}
     return out
 
 
@@ -204,7 +222,7 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
         "| method | " + " | ".join(report.RATE_NAMES[r] for r in RATES) + " |",
         "|---|" + "---|" * len(RATES),
     ]
-    for m in [m for m in METHODS if m in over]:
+    for m in [m for m in (*METHODS, *UNOVERLAPPED) if m in over]:
         row = []
         for r in RATES:
             step, floor = over[m].get(r, (None, None))
@@ -213,13 +231,16 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
         out.append(f"| {m} | " + " | ".join(row) + " |")
     pairs = []
     for jax, torch in PAIRS:
+        after = next((a for a, of in UNOVERLAPPED.items() if of == torch and a in over), None)
         if jax in over and torch in over:
-            ex = [
-                f"{report.RATE_NAMES[r]} {over[jax][r][0] - over[jax][r][1]:.0f} against "
-                f"{over[torch][r][0] - over[torch][r][1]:.0f}"
-                for r in RATES
-                if r in over[jax] and r in over[torch]
-            ]
+            ex = []
+            for r in RATES:
+                if r in over[jax] and r in over[torch]:
+                    cell = (f"{report.RATE_NAMES[r]} {over[jax][r][0] - over[jax][r][1]:.0f} "
+                            f"against {over[torch][r][0] - over[torch][r][1]:.0f}")  # fmt: skip
+                    if after and r in over[after]:
+                        cell += f" ({over[after][r][0] - over[after][r][1]:.0f} without overlap)"
+                    ex.append(cell)
             pairs.append(f"- {jax} against {torch}, ms beyond each one's floor: {'; '.join(ex)}.")
     return out + ([""] + pairs if pairs else [])
 
