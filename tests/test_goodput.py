@@ -241,3 +241,19 @@ def test_ratio_withheld_where_failures_cost_more_than_the_band():
     table = goodput_report.report({**results, "config": {**results["config"], "cores": 2}})
     assert table.count("| 2 ‡ |") == 2
     assert "‡ As many replicas as the machine has cores (2)" in table
+    # jaxcomm's goodput over torchft's, clean (4.0 / 5.0) and under failures (3.0 / 4.5)
+    assert "- diloco, 2 replicas: clean 0.80×, under failures 0.67×." in table
+    assert "inner step alone" not in table
+    inner = {s: {"step_s": t, "steps": 10, "calls": 20}
+             for s, t in (("jaxcomm", 0.125), ("torchft", 0.1))}  # fmt: skip
+    table = goodput_report.report({**results, "inner_step": inner})
+    assert "jaxcomm 125 ms, torchft 100 ms, so jaxcomm's compute alone runs 0.80×" in table
+
+
+@pytest.mark.slow
+def test_each_side_s_inner_step_alone_is_timed_as_its_replicas_run_it(tmp_path):
+    args = goodput.parse([f"--workdir={tmp_path}", "--inner_calls=3", *TINY])
+    inner = goodput.inner_steps(args)
+    assert set(inner) == {"jaxcomm", "torchft"}
+    for side in inner.values():  # DiLoCo's H = 10 steps a call, 3 calls
+        assert side["steps"] == 10 and side["calls"] == 3 and 0 < side["step_s"] < 10

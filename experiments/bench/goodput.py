@@ -113,6 +113,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--incarnation", type=int, default=0)
     p.add_argument("--lighthouse", default="")
     p.add_argument("--run_dir", default="")
+    p.add_argument(
+        "--inner_out",
+        default="",
+        help="(internal) time --inner_calls calls of the "
+        "replica's inner steps alone, no sync, and write seconds a step here",
+    )
+    p.add_argument("--inner_calls", type=int, default=20)
     return p.parse_args(argv)
 
 
@@ -277,6 +284,40 @@ def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
             "outer_learning_rate": lr}  # fmt: skip
 
 
+def inner_steps(args: argparse.Namespace) -> dict[str, dict]:
+    """Each side's inner step alone, as a replica runs it (one thread: CHILD_ENV; the
+    method's steps a call; replica 0's batches; no manager, no sync), one side at a time
+    on otherwise idle cores: {side: {"step_s": median seconds a step, "calls", "steps"}}.
+    What sets the sides' clean goodput apart before any exchange or failure."""
+    import subprocess
+    import tempfile
+
+    out = {}
+    for side in args.sides.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "inner.json")
+            argv = [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
+                    f"--side={side}", f"--method={args.methods.split(',')[0]}", "--replicas=2",
+                    f"--inner_out={path}", f"--inner_calls={args.inner_calls}",
+                    *(f"--{k}={getattr(args, k)}" for k in _WORKLOAD)]  # fmt: skip
+            proc = subprocess.run(argv, capture_output=True, text=True,
+                                  env={**os.environ, **CHILD_ENV})  # fmt: skip
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+            out[side] = json.loads(pathlib.Path(path).read_text())
+        print(f"{side}: inner step alone {1e3 * out[side]['step_s']:.0f} ms", flush=True)
+    return out
+
+
+def write_inner(path: str, times: list[float], steps: int) -> None:
+    """A replica's ``--inner_out``: the median of ``times`` (seconds a call of ``steps``)."""
+    import statistics
+
+    with open(path, "w") as f:
+        json.dump({"step_s": statistics.median(times) / steps, "calls": len(times),
+                   "steps": steps}, f)  # fmt: skip
+
+
 def _config(args: argparse.Namespace) -> dict:
     c = goodput_workload.config(argparse.Namespace(**{**vars(args), "method": "diloco"}))
     keys = ("kill_every", "restart_after", "failure_seed", "max_kills", "heartbeat_timeout_ms",
@@ -321,6 +362,9 @@ def main(argv=None) -> int:
     results = _load(args.out, config, args.fresh)
     study = json.loads(STUDY.read_text()) if STUDY.exists() else None
     results["dense_band"] = goodput_report.dense_band(study)
+    if "inner_step" not in results or args.fresh:
+        results["inner_step"] = inner_steps(args)
+        _save(results, args.out)
     for n in [int(x) for x in args.replicas.split(",")]:
         for method in args.methods.split(","):
             for side in args.sides.split(","):

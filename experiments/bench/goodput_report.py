@@ -164,6 +164,34 @@ def _ratio_cell(r: dict) -> str:
     return f"— ({r['measured_ratio']:.1%}, but ends {cost} worse than clean)"
 
 
+def side_by_side(results: dict) -> list[str]:
+    """jaxcomm's goodput over torchft's per (method, replicas), clean and under failures,
+    beside the ratio of the two sides' inner steps alone (``results["inner_step"]``, what
+    sets them apart before any exchange or failure)."""
+    by = {(r["side"], r["method"], r["replicas"]): r for r in rows(results)}
+    pairs = sorted({(m, n) for _, m, n in by if {("jaxcomm", m, n), ("torchft", m, n)} <= set(by)})
+    inner = results.get("inner_step") or {}
+    if not pairs:
+        return []
+    out = ["", "jaxcomm's goodput over torchft's (above 1: jaxcomm's is higher):"]
+    if {"jaxcomm", "torchft"} <= set(inner):
+        j, t = inner["jaxcomm"], inner["torchft"]
+        out[-1] = (
+            "Each side's inner step alone, as its replicas run it (one thread, "
+            f"{j['steps']} steps a call, median of {j['calls']} calls, nothing else running): "
+            f"jaxcomm {1e3 * j['step_s']:.0f} ms, torchft {1e3 * t['step_s']:.0f} ms, so "
+            f"jaxcomm's compute alone runs {t['step_s'] / j['step_s']:.2f}× torchft's speed. "
+            + out[-1]
+        )
+    for m, n in pairs:
+        j, t = by[("jaxcomm", m, n)], by[("torchft", m, n)]
+        fail = (f", under failures {j['goodput'] / t['goodput']:.2f}×"
+                if "goodput" in j and "goodput" in t else "")  # fmt: skip
+        out.append(f"- {m}, {n} replicas: clean {j['clean_goodput'] / t['clean_goodput']:.2f}×"
+                   f"{fail}.")  # fmt: skip
+    return out
+
+
 def report(results: dict) -> str:
     """The markdown table: goodput clean and under failures, its ratio, rounds, heals, losses."""
     from experiments.studies import verdict
@@ -202,6 +230,7 @@ def report(results: dict) -> str:
                   "Both sides get this, and it raises their ratios (above 100% where the "
                   "speed-up outweighs the lost steps); a replica on its own machine would not "
                   "see it."]  # fmt: skip
+    lines += side_by_side(results)
     if band.get("median"):
         lines += ["", f"Dense's median final (2 processes, {band['seeds']} seeds): "
                   f"{band['median']:.4f}; band: within 2% of it."]  # fmt: skip

@@ -86,6 +86,23 @@ def replica(args) -> None:
 
     torch.set_num_threads(1)
     config, s, model, opt, sched, stream, starts, x_test = _build(args)
+    if args.inner_out:  # the inner steps alone (goodput.inner_steps): no manager, no sync
+        from experiments.bench.goodput import write_inner
+
+        every = s["every"] // s["fragments"]  # a call: the steps between two syncs
+        times = []
+        for k in range(args.inner_calls):
+            t = time.perf_counter()
+            for i in range(k * every, (k + 1) * every):
+                x, y = torch_lm.windows(stream, starts[i], config.data.seq_len)
+                loss = torch_lm.lm_loss(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                loss.item()
+                opt.step()
+                sched.step()
+            times.append(time.perf_counter() - t)
+        return write_inner(args.inner_out, times, every)
     manager = gloo_manager(
         f"replica_{args.replica}", args.lighthouse, min_replicas=1, timeout_s=args.timeout_s,
         quorum_timeout_s=args.deadline_s, init_sync=False,  # every replica starts from the seed
