@@ -253,7 +253,7 @@ def test_ratio_withheld_where_failures_cost_more_than_the_band():
 @pytest.mark.slow
 def test_each_side_s_inner_step_alone_is_timed_as_its_replicas_run_it(tmp_path):
     args = goodput.parse([f"--workdir={tmp_path}", "--inner_calls=3", *TINY])
-    inner = goodput.inner_steps(args)
+    inner = goodput.inner_steps(args, list(goodput.SIDES))
     assert set(inner) == {"jaxcomm", "torchft"}
     for side in inner.values():  # DiLoCo's H = 10 steps a call, 3 calls
         assert side["steps"] == 10 and side["calls"] == 3 and 0 < side["step_s"] < 10

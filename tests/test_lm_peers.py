@@ -161,7 +161,15 @@ def test_ddp_without_its_overlap_is_a_row_beside_its_pair_and_never_a_best():
     assert row.endswith("| 2900: +2820 (36.2×) |")  # against torch's floor, 80 ms
     pair = next(x for x in text if x.startswith("- dense against torch_ddp"))
     assert pair.endswith("10 Mbit/s 1950 against 2420 (2820 without overlap).")
-    # probed on every link, yet no time to target, no best, no verdict row
+    # probed on every link (and 3 seeds, were any ever run), faster than DDP's every hook,
+    # yet no time to target, no best, no verdict row, no row of the finals
+    for seed, f in enumerate((2.0, 2.1, 2.05)):
+        s["runs"].append({"n": 2, "method": "torch_after", "seed": seed, "curve": curve(decay(f))})
+    s["probes"] = [p for p in s["probes"] if p["method"] != "torch_after"]
+    s["probes"] += [probe("torch_after", 0.01, rate=r) for r in lm_peers.RATES]
+    text = lm_peers.lines(s)
     assert "torch_after" not in lm_peers.probed_everywhere(s, 2)
     assert all("torch_after" not in x for x in text if x.startswith("| 10 Mbit/s |"))
     assert "torch_after" not in lm_peers.verdicts(s)["methods"]
+    assert "torch_after" not in report.complete_groups(s)[0][2]
+    assert "torch_after" not in {r["method"] for r in lm_progress.rows(s)}

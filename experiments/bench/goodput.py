@@ -284,20 +284,21 @@ def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
             "outer_learning_rate": lr}  # fmt: skip
 
 
-def inner_steps(args: argparse.Namespace) -> dict[str, dict]:
-    """Each side's inner step alone, as a replica runs it (one thread: CHILD_ENV; the
-    method's steps a call; replica 0's batches; no manager, no sync), one side at a time
-    on otherwise idle cores: {side: {"step_s": median seconds a step, "calls", "steps"}}.
-    What sets the sides' clean goodput apart before any exchange or failure."""
+def inner_steps(args: argparse.Namespace, sides: list[str]) -> dict[str, dict]:
+    """Each of ``sides``' inner step alone, as a replica runs it (one thread: CHILD_ENV;
+    DiLoCo's H steps a call on both sides, after one untimed call; replica 0's batches;
+    no manager, no sync, no ``--step_s`` padding), one side at a time on otherwise idle
+    cores: {side: {"step_s": median seconds a step, "calls", "steps"}}. What sets the
+    sides' clean goodput apart before any exchange or failure."""
     import subprocess
     import tempfile
 
     out = {}
-    for side in args.sides.split(","):
+    for side in sides:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "inner.json")
             argv = [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
-                    f"--side={side}", f"--method={args.methods.split(',')[0]}", "--replicas=2",
+                    f"--side={side}", "--method=diloco", "--replicas=2",
                     f"--inner_out={path}", f"--inner_calls={args.inner_calls}",
                     *(f"--{k}={getattr(args, k)}" for k in _WORKLOAD)]  # fmt: skip
             proc = subprocess.run(argv, capture_output=True, text=True,
@@ -362,8 +363,10 @@ def main(argv=None) -> int:
     results = _load(args.out, config, args.fresh)
     study = json.loads(STUDY.read_text()) if STUDY.exists() else None
     results["dense_band"] = goodput_report.dense_band(study)
-    if "inner_step" not in results or args.fresh:
-        results["inner_step"] = inner_steps(args)
+    inner = {} if args.fresh else results.get("inner_step", {})
+    missing = [s for s in args.sides.split(",") if s not in inner]
+    if missing:  # each side's once, before its runs
+        results["inner_step"] = {**inner, **inner_steps(args, missing)}
         _save(results, args.out)
     for n in [int(x) for x in args.replicas.split(",")]:
         for method in args.methods.split(","):

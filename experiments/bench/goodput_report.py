@@ -174,11 +174,12 @@ def side_by_side(results: dict) -> list[str]:
     if not pairs:
         return []
     out = ["", "jaxcomm's goodput over torchft's (above 1: jaxcomm's is higher):"]
-    if {"jaxcomm", "torchft"} <= set(inner):
+    if {"jaxcomm", "torchft"} <= set(inner) and not results["config"].get("step_s"):
         j, t = inner["jaxcomm"], inner["torchft"]
         out[-1] = (
             "Each side's inner step alone, as its replicas run it (one thread, "
-            f"{j['steps']} steps a call, median of {j['calls']} calls, nothing else running): "
+            f"{j['steps']} steps a call on both sides, median of {j['calls']} calls, nothing else "
+            "running): "
             f"jaxcomm {1e3 * j['step_s']:.0f} ms, torchft {1e3 * t['step_s']:.0f} ms, so "
             f"jaxcomm's compute alone runs {t['step_s'] / j['step_s']:.2f}× torchft's speed. "
             + out[-1]

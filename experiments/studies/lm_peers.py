@@ -165,6 +165,7 @@ def lines(results: dict, n: int = 2) -> list[str]:
     cells = report.cell_probes(results, n)
     probes = [c.get("probes", 0) for row in v["methods"].values() for c in row["links"].values()]
     probes += [cells[("loopback", m)]["probes"] for m in FLOORS if ("loopback", m) in cells]
+    probes += [c["probes"] for (_, m), c in cells.items() if m in UNOVERLAPPED]
     if min(probes) < verdict.MIN_PROBES:
         out += ["", f"Some cells or floors have fewer than {verdict.MIN_PROBES} probes (the "
                 "probes table above)."]  # fmt: skip

@@ -32,9 +32,9 @@ import statistics
 from experiments.studies import lm_peers, verdict
 from experiments.studies.lm_methods import (
     COUNTERPART,
-    FLOORS,
     METHODS,
     OPTIMIZER,
+    PROBE_ONLY,
     TRIED,
     tried_lines,
 )
@@ -63,7 +63,7 @@ def rows(results: dict, n: int = 2) -> list[dict]:
     judged = len(dense) >= verdict.MIN_SEEDS
     out = []
     for m, seeds in by.items():
-        if m in TRIED or m in FLOORS:
+        if m in TRIED or m in PROBE_ONLY:
             continue
         vals = [seeds[s] for s in sorted(seeds)]
         row = {"method": m, "seeds": sorted(seeds), "finals": vals,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 
 from experiments.studies import verdict
-from experiments.studies.lm_methods import COUNTERPART, FLOORS, TRIED, peak_factor, tried_lines
+from experiments.studies.lm_methods import COUNTERPART, PROBE_ONLY, TRIED, peak_factor, tried_lines
 from experiments.studies.ngram import ngram_line
 
 RATE_ORDER = ("loopback", "1gbit", "100mbit", "10mbit")
@@ -105,12 +105,13 @@ def complete_groups(results: dict) -> tuple[dict[int, list[str]], dict[int, str]
     A process count is reported when dense has :data:`verdict.MIN_SEEDS` seeds;
     a method with fewer is left out of its table, and named in the gaps. Variants
     tried and left out of the grid (:data:`~experiments.studies.lm_methods.TRIED`)
-    are neither: their runs are shown apart, whatever their seeds; nor are the compute
-    floors (:data:`~experiments.studies.lm_methods.FLOORS`).
+    are neither: their runs are shown apart, whatever their seeds; nor are the methods
+    only probed (:data:`~experiments.studies.lm_methods.PROBE_ONLY`: the compute floors,
+    DDP without its overlap).
     """
     done, missing = {}, {}
     for n in sorted({r["n"] for r in results["runs"]}):
-        apart = {**TRIED, **FLOORS}
+        apart = {*TRIED, *PROBE_ONLY}
         runs = [r for r in results["runs"] if r["n"] == n and r["method"] not in apart]
         methods = list(dict.fromkeys(r["method"] for r in runs))
         seeds = {m: {r["seed"] for r in runs if r["method"] == m} for m in methods}
