@@ -36,3 +36,17 @@ def test_the_report_splits_each_step_into_its_parts(measured):
     assert cells[3] == f"{(t['step_s'] - none) * 1e3:.2f}"
     assert cells[5] == f"{(t['exchange_s'] - t['codec_s']) * 1e3:.2f}"
     assert cells[6] == f"{(t['step_s'] - none - t['exchange_s']) * 1e3:.2f}"
+
+
+def test_the_lm_config_times_the_study_s_gpt_and_drops_the_digits_bound():
+    """``--config=lm_shakespeare``: the LM study's GPT, its dense all-reduce moving every
+    float32 parameter once a step; its tables have no digits-MLP bound column."""
+    study_params = 875_520  # lm_shakespeare.py's docstring (and tests/test_torch_lm.py)
+    lm = step_parts.session(["dense"], steps_per_call=1, rounds=1, repeats=1,
+                            config="lm_shakespeare")  # fmt: skip
+    assert lm["config"] == "lm_shakespeare" and "hidden" not in lm
+    assert lm["params"] == study_params
+    assert lm["methods"]["dense"]["wire_bytes"] == 4 * study_params
+    text = step_parts_report.report({"links": {"loopback": lm}})
+    header = next(x for x in text.splitlines() if x.startswith("| method |"))
+    assert header.endswith("| rest |") and "within" not in text

@@ -13,7 +13,11 @@ TARGET_MS = 1.5
 
 
 def report(results: dict) -> str:
-    """Per link, each method's median step and its parts (ms per step)."""
+    """Per link, each method's median step and its parts (ms per step); the bound's column
+    (:data:`TARGET_MS`, the digits MLP's issue) only for the digits MLP."""
+    bound = results["links"] and next(iter(results["links"].values())).get("config") != (
+        "lm_shakespeare"
+    )
     lines = []
     for rate, res in results["links"].items():
         none = res["methods"]["none"]["step_s"]
@@ -23,9 +27,9 @@ def report(results: dict) -> str:
             + f": median of {res['rounds']} calls of "
             f"{res['steps_per_call']} steps; no exchange {none * 1e3:.2f} ms/step.",
             "",
-            "| method | bytes/step | step ms (mean) | - none | codec | collectives | rest "
-            f"| within {TARGET_MS} ms of none |",
-            "|---|---|---|---|---|---|---|---|",
+            "| method | bytes/step | step ms (mean) | - none | codec | collectives | rest |"
+            + (f" within {TARGET_MS} ms of none |" if bound else ""),
+            "|---|---|---|---|---|---|---|" + ("---|" if bound else ""),
         ]
         for m, r in res["methods"].items():
             if m == "none":
@@ -37,7 +41,7 @@ def report(results: dict) -> str:
             lines.append(
                 f"| {m} | {r['wire_bytes']:,} | {r['step_s'] * 1e3:.2f} "
                 f"({r['mean_step_s'] * 1e3:.2f}) | {over * 1e3:.2f} | {r['codec_s'] * 1e3:.2f} "
-                f"| {coll * 1e3:.2f} | {rest * 1e3:.2f} | {ok} |"
+                f"| {coll * 1e3:.2f} | {rest * 1e3:.2f} |" + (f" {ok} |" if bound else "")
             )
         lines.append("")
     return "\n".join(lines)
