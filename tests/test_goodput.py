@@ -244,16 +244,27 @@ def test_ratio_withheld_where_failures_cost_more_than_the_band():
     # jaxcomm's goodput over torchft's, clean (4.0 / 5.0) and under failures (3.0 / 4.5)
     assert "- diloco, 2 replicas: clean 0.80×, under failures 0.67×." in table
     assert "inner step alone" not in table
-    inner = {s: {"step_s": t, "steps": 10, "calls": 20}
-             for s, t in (("jaxcomm", 0.125), ("torchft", 0.1))}  # fmt: skip
+    inner = {
+        s: {str(k): {"step_s": t * k, "steps": 10, "calls": 20, "copies": k} for k in (1, 2)}
+        for s, t in (("jaxcomm", 0.125), ("torchft", 0.1))
+    }
+    table = goodput_report.report(
+        {**results, "inner_step": inner, "config": {**results["config"], "cores": 2}}
+    )
+    assert ("alone / 2 at once on the 2 cores, nothing else running): jaxcomm 125 / 250 ms, "
+            "torchft 100 / 200 ms") in table  # fmt: skip
+    # a side measured alone only: the counts both sides have
+    inner["torchft"].pop("2")
     table = goodput_report.report({**results, "inner_step": inner})
-    assert "jaxcomm 125 ms, torchft 100 ms, so jaxcomm's compute alone runs 0.80×" in table
+    assert "; alone on the ? cores" in table and "jaxcomm 125 ms, torchft 100 ms" in table
 
 
 @pytest.mark.slow
 def test_each_side_s_inner_step_alone_is_timed_as_its_replicas_run_it(tmp_path):
     args = goodput.parse([f"--workdir={tmp_path}", "--inner_calls=3", *TINY])
-    inner = goodput.inner_steps(args, list(goodput.SIDES))
+    inner = goodput.inner_steps(args, [("jaxcomm", 1), ("torchft", 2)])
     assert set(inner) == {"jaxcomm", "torchft"}
-    for side in inner.values():  # DiLoCo's H = 10 steps a call, 3 calls
+    assert set(inner["jaxcomm"]) == {"1"} and set(inner["torchft"]) == {"2"}
+    for side in (inner["jaxcomm"]["1"], inner["torchft"]["2"]):  # DiLoCo's H = 10 a call
         assert side["steps"] == 10 and side["calls"] == 3 and 0 < side["step_s"] < 10
+    assert inner["torchft"]["2"]["copies"] == 2

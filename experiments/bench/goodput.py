@@ -284,39 +284,41 @@ def sync_settings(args: argparse.Namespace, side: str, method: str) -> dict:
             "outer_learning_rate": lr}  # fmt: skip
 
 
-def inner_steps(args: argparse.Namespace, sides: list[str]) -> dict[str, dict]:
-    """Each of ``sides``' inner step alone, as a replica runs it (one thread: CHILD_ENV;
-    DiLoCo's H steps a call on both sides, after one untimed call; replica 0's batches;
-    no manager, no sync, no ``--step_s`` padding), one side at a time on otherwise idle
-    cores: {side: {"step_s": median seconds a step, "calls", "steps"}}. What sets the
-    sides' clean goodput apart before any exchange or failure."""
+def inner_steps(args: argparse.Namespace, cells: list[tuple[str, int]]) -> dict[str, dict]:
+    """Each (side, copies) cell's inner step as a replica runs it (one thread: CHILD_ENV;
+    DiLoCo's H steps a call on both sides, after one untimed call; no manager, no sync,
+    no ``--step_s`` padding), ``copies`` processes at once (replicas 0.., each its own
+    batches) and nothing else running: alone (1), and as many as a run's replicas share
+    the cores. {side: {str(copies): {"step_s": the median over the copies of each one's
+    median seconds a step, "calls", "steps", "copies"}}}. What sets the sides' clean
+    goodput apart before any exchange or failure."""
+    import statistics
     import subprocess
     import tempfile
 
-    out = {}
-    for side in sides:
+    out: dict[str, dict] = {}
+    for side, copies in cells:
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "inner.json")
-            argv = [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
-                    f"--side={side}", "--method=diloco", "--replicas=2",
-                    f"--inner_out={path}", f"--inner_calls={args.inner_calls}",
-                    *(f"--{k}={getattr(args, k)}" for k in _WORKLOAD)]  # fmt: skip
-            proc = subprocess.run(argv, capture_output=True, text=True,
-                                  env={**os.environ, **CHILD_ENV})  # fmt: skip
-            if proc.returncode != 0:
-                raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-            out[side] = json.loads(pathlib.Path(path).read_text())
-        print(f"{side}: inner step alone {1e3 * out[side]['step_s']:.0f} ms", flush=True)
+            paths = [os.path.join(tmp, f"inner{i}.json") for i in range(copies)]
+            procs = []
+            for i, path in enumerate(paths):
+                argv = [sys.executable, "-m", "experiments.bench.goodput", "--role=replica",
+                        f"--side={side}", "--method=diloco", f"--replicas={max(2, copies)}",
+                        f"--replica={i}", f"--inner_out={path}",
+                        f"--inner_calls={args.inner_calls}",
+                        *(f"--{k}={getattr(args, k)}" for k in _WORKLOAD)]  # fmt: skip
+                procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.PIPE, text=True,
+                                              env={**os.environ, **CHILD_ENV}))  # fmt: skip
+            for p in procs:
+                _, err = p.communicate()
+                if p.returncode != 0:
+                    raise RuntimeError(f"{' '.join(p.args)} failed:\n{err[-3000:]}")
+            got = [json.loads(pathlib.Path(path).read_text()) for path in paths]
+        cell = {**got[0], "copies": copies, "step_s": statistics.median(g["step_s"] for g in got)}
+        out.setdefault(side, {})[str(copies)] = cell
+        print(f"{side}: inner step, {copies} at once: {1e3 * cell['step_s']:.0f} ms", flush=True)
     return out
-
-
-def write_inner(path: str, times: list[float], steps: int) -> None:
-    """A replica's ``--inner_out``: the median of ``times`` (seconds a call of ``steps``)."""
-    import statistics
-
-    with open(path, "w") as f:
-        json.dump({"step_s": statistics.median(times) / steps, "calls": len(times),
-                   "steps": steps}, f)  # fmt: skip
 
 
 def _config(args: argparse.Namespace) -> dict:
@@ -364,9 +366,13 @@ def main(argv=None) -> int:
     study = json.loads(STUDY.read_text()) if STUDY.exists() else None
     results["dense_band"] = goodput_report.dense_band(study)
     inner = {} if args.fresh else results.get("inner_step", {})
-    missing = [s for s in args.sides.split(",") if s not in inner]
-    if missing:  # each side's once, before its runs
-        results["inner_step"] = {**inner, **inner_steps(args, missing)}
+    copies = sorted({1, *(int(x) for x in args.replicas.split(","))})
+    missing = [(side, k) for side in args.sides.split(",") for k in copies
+               if str(k) not in inner.get(side, {})]  # fmt: skip
+    if missing:  # each cell's once, before the runs
+        for side, cells in inner_steps(args, missing).items():
+            inner[side] = {**inner.get(side, {}), **cells}
+        results["inner_step"] = inner
         _save(results, args.out)
     for n in [int(x) for x in args.replicas.split(",")]:
         for method in args.methods.split(","):

@@ -88,15 +88,13 @@ def replica(args) -> None:
     for f in filter(None, (run, tail)):
         jax.block_until_ready(f(params, state, 0))  # compiled before joining
     if args.inner_out:  # the inner steps alone (goodput.inner_steps): no manager, no sync
-        from experiments.bench.goodput import write_inner
-
         times, p, s = [], params, state
         for k in range(args.inner_calls):
             t = time.perf_counter()
             p, s, loss = run(p, s, k * (per_sync - delay))
             jax.block_until_ready(loss)
             times.append(time.perf_counter() - t)
-        return write_inner(args.inner_out, times, per_sync - delay)
+        return workload.write_inner(args.inner_out, times, per_sync - delay)
     manager = elastic.gloo_manager(
         f"replica_{args.replica}", args.lighthouse, min_replicas=1,
         timeout_s=args.timeout_s, quorum_timeout_s=args.deadline_s,

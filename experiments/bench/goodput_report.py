@@ -166,23 +166,27 @@ def _ratio_cell(r: dict) -> str:
 
 def side_by_side(results: dict) -> list[str]:
     """jaxcomm's goodput over torchft's per (method, replicas), clean and under failures,
-    beside the ratio of the two sides' inner steps alone (``results["inner_step"]``, what
-    sets them apart before any exchange or failure)."""
+    after each side's inner step alone and with as many copies at once as a run's replicas
+    (``results["inner_step"]``: the compute before any exchange or failure)."""
     by = {(r["side"], r["method"], r["replicas"]): r for r in rows(results)}
     pairs = sorted({(m, n) for _, m, n in by if {("jaxcomm", m, n), ("torchft", m, n)} <= set(by)})
     inner = results.get("inner_step") or {}
     if not pairs:
         return []
     out = ["", "jaxcomm's goodput over torchft's (above 1: jaxcomm's is higher):"]
-    if {"jaxcomm", "torchft"} <= set(inner) and not results["config"].get("step_s"):
-        j, t = inner["jaxcomm"], inner["torchft"]
+    sides = ("jaxcomm", "torchft")
+    counts = sorted(set.intersection(*({k for k in inner.get(s, {}) if k.isdigit()}
+                                       for s in sides)), key=int)  # fmt: skip
+    if counts and not results["config"].get("step_s"):
+        at = {s: " / ".join(f"{1e3 * inner[s][k]['step_s']:.0f}" for k in counts) for s in sides}
+        one = inner["jaxcomm"][counts[0]]
+        how = " / ".join("alone" if k == "1" else f"{k} at once" for k in counts)
         out[-1] = (
-            "Each side's inner step alone, as its replicas run it (one thread, "
-            f"{j['steps']} steps a call on both sides, median of {j['calls']} calls, nothing else "
-            "running): "
-            f"jaxcomm {1e3 * j['step_s']:.0f} ms, torchft {1e3 * t['step_s']:.0f} ms, so "
-            f"jaxcomm's compute alone runs {t['step_s'] / j['step_s']:.2f}× torchft's speed. "
-            + out[-1]
+            f"Each side's inner step as its replicas run it (one thread, {one['steps']} steps "
+            f"a call on both sides, median of {one['calls']} calls; {how} on the "
+            f"{results['config'].get('cores', '?')} cores, nothing else running): jaxcomm "
+            f"{at['jaxcomm']} ms, torchft {at['torchft']} ms: the compute before any "
+            "exchange or failure. " + out[-1]
         )
     for m, n in pairs:
         j, t = by[("jaxcomm", m, n)], by[("torchft", m, n)]

@@ -87,8 +87,6 @@ def replica(args) -> None:
     torch.set_num_threads(1)
     config, s, model, opt, sched, stream, starts, x_test = _build(args)
     if args.inner_out:  # the inner steps alone (goodput.inner_steps): no manager, no sync
-        from experiments.bench.goodput import write_inner
-
         every = s["every"] // s["fragments"]  # a call: the steps between two syncs
         times = []
         for k in range(args.inner_calls + 1):  # the first (AdamW's state made): untimed
@@ -103,7 +101,7 @@ def replica(args) -> None:
                 sched.step()
             times.append(time.perf_counter() - t)
         times = times[1:]
-        return write_inner(args.inner_out, times, every)
+        return workload.write_inner(args.inner_out, times, every)
     manager = gloo_manager(
         f"replica_{args.replica}", args.lighthouse, min_replicas=1, timeout_s=args.timeout_s,
         quorum_timeout_s=args.deadline_s, init_sync=False,  # every replica starts from the seed

@@ -119,3 +119,12 @@ def read(run_dir: str, replica: int) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+
+
+def write_inner(path: str, times: list[float], steps: int) -> None:
+    """A replica's ``--inner_out``: the median of ``times`` (seconds a call of ``steps``)."""
+    import statistics
+
+    with open(path, "w") as f:
+        json.dump({"step_s": statistics.median(times) / steps, "calls": len(times),
+                   "steps": steps}, f)  # fmt: skip

@@ -92,6 +92,10 @@ def _step_parts() -> str:
     return step_parts_report.report(_load("step_parts.json"))
 
 
+def _step_parts_lm() -> str:
+    return step_parts_report.report(_load("step_parts_lm.json"))
+
+
 def _link(name: str) -> str:
     fname = DOCUMENTS[name][0]
     return f"[`{fname}`](experiments/results/{fname})"
@@ -180,6 +184,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "netstudy": _netstudy,
     "overlap": _overlap,
     "step_parts": _step_parts,
+    "step_parts_lm": _step_parts_lm,
 }
 # Each study's tables also live as markdown beside its JSON: (file, source JSON, title).
 DOCUMENTS = {
@@ -213,6 +218,11 @@ DOCUMENTS = {
         "step_parts.md",
         "step_parts.json",
         "Where a small step goes (2 processes)",
+    ),
+    "step_parts_lm": (
+        "step_parts_lm.md",
+        "step_parts_lm.json",
+        "Where the LM study's step goes (2 processes)",
     ),
 }
 
