@@ -53,7 +53,7 @@ RATES = ("loopback", "100mbit", "10mbit")
 PAIRS = (("dense", "torch_ddp"), ("bf16", "torch_fp16"), ("powersgd", "torch_powersgd"))
 #: Framework -> does this method belong to it.
 FRAMEWORKS = {
-    "jaxcomm": lambda m: m not in TORCH and m not in FLOORS,
+    "jaxcomm": lambda m: m not in TORCH and m not in PROBE_ONLY,
     "PyTorch DDP": lambda m: m in TORCH and m not in PROBE_ONLY and not TORCH[m].startswith("ft_"),
     "torchft": lambda m: m in TORCH and TORCH[m].startswith("ft_"),
 }
@@ -164,8 +164,7 @@ def lines(results: dict, n: int = 2) -> list[str]:
     out += floor_lines(results, v, n)
     cells = report.cell_probes(results, n)
     probes = [c.get("probes", 0) for row in v["methods"].values() for c in row["links"].values()]
-    probes += [cells[("loopback", m)]["probes"] for m in FLOORS if ("loopback", m) in cells]
-    probes += [c["probes"] for (_, m), c in cells.items() if m in UNOVERLAPPED]
+    probes += [c["probes"] for (_, m), c in cells.items() if m in PROBE_ONLY]
     if min(probes) < verdict.MIN_PROBES:
         out += ["", f"Some cells or floors have fewer than {verdict.MIN_PROBES} probes (the "
                 "probes table above)."]  # fmt: skip
