@@ -8,7 +8,7 @@ worker axis sharded over ``"data"``, so local SGD / DiLoCo workers can drift
 and error-feedback residuals stay per worker. ``config.steps_per_call``
 micro-steps run inside one jitted ``lax.scan`` with donated state; each worker
 draws its batch on device from ``(seed, worker, step)``, so there is no host
-sync inside the step. Between calls: eval (worker 0's params), JSONL metrics,
+sync inside the step. Between calls: eval (worker 0's params; the others wait), JSONL metrics,
 orbax checkpoints (SHA-256 checksummed; verified on resume, falling back to the
 newest good one: :func:`experiments.checkpoints.restore_latest_good`), a tqdm
 bar. A ``workdir`` holding a checkpoint resumes from it, bit for bit.
@@ -397,13 +397,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
     abort = config.get("on_nonfinite", "abort") == "abort"
     show = config.get("progress", True) and lead
     bar = tqdm(total=total, initial=start, unit="step", disable=not show)
+    name = f"timeline.p{jax.process_index()}.jsonl"  # each call's times (config.timeline)
+    timeline = config.get("timeline", False) and open(os.path.join(workdir, name), "a")
     t0, step, losses, call_s = time.perf_counter(), start, [], []
     try:
         while step < total:
-            t_call = time.perf_counter()
+            t_call, wall_call = time.perf_counter(), time.time()
             state, call_losses = train_call(state, x_train, y_train)
             state = jax.block_until_ready(state)  # one collective program in flight (XLA:CPU)
             call_s.append(time.perf_counter() - t_call)
+            times = {"step": step + per_call, "call_start": wall_call, "call_end": time.time()}
             train_s += call_s[-1]
             step += per_call
             call_losses = np.asarray(call_losses)  # the worker mean: alike on every process
@@ -416,7 +419,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
             bar.update(per_call)
             if (eval_every and step % eval_every == 0) or step == total:
                 # Worker 0's params live on process 0 (the mesh puts its devices first):
-                # evaluating them needs no communication, and the others go on meanwhile.
+                # evaluating them needs no communication.
                 # call_s: each training call's seconds since the last row (steady state: median)
                 row = {"step": step, "loss": float(np.mean(losses)), "call_s": call_s}
                 losses, call_s = [], []
@@ -439,7 +442,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
                         f"acc {row['accuracy']:.4f} sent {sent / 1e6:.2f} MB "
                         f"train {train_s:.2f}s sim {row['sim_time_s']:.3f}s"
                     )
+                    times["evaluated"] = time.time()
                 metrics.append(row)
+                # The others wait for it (a collective: a dead peer fails it at once), else
+                # they compute meanwhile and process 0's next timed call has the CPU to itself
+                multihost_utils.sync_global_devices(f"jaxcomm evaluated {step}")
+            if timeline:
+                timeline.write(json.dumps({**times, "free": time.time()}) + "\n")
             saved = None
             if (ckpt_every and step % ckpt_every == 0) or step == total:
                 saved = checkpoints.save_state(mngr, step, state, config)
@@ -458,6 +467,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> Resul
                 break
     finally:
         bar.close()
+        timeline and timeline.close()
         mngr.wait_until_finished()
         mngr.close()
     if lead and metrics and config.get("plot", True):

@@ -4,6 +4,7 @@ Each test starts fresh Python processes: the pytest process itself already
 initialised JAX with 8 fake devices and cannot join a distributed run.
 """
 
+import json
 import os
 import re
 import signal
@@ -257,3 +258,29 @@ def distributed_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_the_other_processes_wait_for_process_0s_evaluation(tmp_path):
+    """With nothing exchanged (no_exchange: each call's one collective is its loss mean at
+    the end), process 1 used to run its next call while process 0 evaluated, so process 0's
+    next timed call had the CPU to itself (the LM study's compute floor read 69 ms a step
+    against 108-112 with the processes in step). Now every process waits for the evaluation:
+    process 1 starts no call before process 0's evaluation of the call before has ended."""
+    work = tmp_path / "run"
+    main = [
+        "-m", "experiments.main", "--config=experiments/configs/digits_mlp.py:dense",
+        "--config.wrapper.name=no_exchange", "--config.num_train_steps=60",
+        "--config.steps_per_call=5", "--config.eval_every=5", "--config.checkpoint_every=0",
+        "--config.progress=False", "--config.plot=False", "--config.timeline=True",
+        f"--workdir={work}",
+    ]  # fmt: skip
+    run = launch(2, 1, *main)
+    assert run.returncode == 0, run.stdout[-3000:]
+    read = lambda i: [json.loads(line) for line in open(work / f"timeline.p{i}.jsonl")]
+    p0, p1 = read(0), read(1)
+    assert [r["step"] for r in p0] == [r["step"] for r in p1] == list(range(5, 65, 5))
+    assert all("evaluated" in r for r in p0) and not any("evaluated" in r for r in p1)
+    for before, after in zip(p0[:-1], p1[1:]):
+        assert after["call_start"] >= before["evaluated"], (before, after)
+    # and each process is free only once the evaluation is done
+    assert all(r1["free"] >= r0["evaluated"] for r0, r1 in zip(p0, p1))

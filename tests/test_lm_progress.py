@@ -88,3 +88,57 @@ def test_the_probes_so_far_are_tabled_per_method_and_link():
     assert "| dense | 200 (200–200; 3) | 3000 (3000–3000; 3) |" in lm_progress.report(results)
     results["probes"][1]["repeats"][2]["probe_check"]["probe_eval_loss"] = 1.5000001
     assert "| dense | 200 (200–200; 3) ≠ | 3000 (3000–3000; 3) ≠ |" in lm_progress.report(results)
+
+
+def test_probes_set_aside_are_shown_beside_todays_and_never_used():
+    from experiments.studies import lm, report
+
+    results = {**RESULTS, "probes": [
+        _probe("dense", "loopback", [0.21, 0.2, 0.25]),
+        {**_probe("nocomm", "loopback", [0.07, 0.069, 0.063]), "process_wall_s": 360.0},
+        _probe("diloco", "10mbit", [0.37, 0.38, 0.36]),
+        {**_probe("diloco", "10mbit", [9.0]), "n": 4},  # another process count: kept
+    ]}  # fmt: skip
+    with pytest.raises(ValueError, match="--reprobe_why"):
+        lm.set_aside(results, ["nocomm"], " ", [2])
+    with pytest.raises(ValueError, match=r"--reprobe: unknown methods \['nocom'\]"):
+        lm.set_aside(results, ["nocom"], "why", [2])
+    hours = report.running_time(results)["total_h"]
+    lm.set_aside(results, ["nocomm", "diloco"], "taken before the barrier", [2])
+    assert report.running_time(results)["total_h"] == hours  # their time was spent
+    assert [(p["method"], p["n"]) for p in results["probes"]] == [("dense", 2), ("diloco", 4)]
+    assert [(p["method"], p["why"]) for p in results["superseded_probes"]] == [
+        ("nocomm", "taken before the barrier"),
+        ("diloco", "taken before the barrier"),
+    ]
+    text = lm_progress.report(results)
+    assert "| nocomm |" not in text and "| diloco |" not in text  # never used
+    line = ("Probes set aside (taken before the barrier; JSON: superseded_probes), the old median "
+            "step in ms → today's: diloco 10mbit 370 → not probed again yet; nocomm loopback 69 "
+            "→ not probed again yet.")  # fmt: skip
+    assert line in text
+    results["probes"].append(
+        {**_probe("nocomm", "loopback", [0.11, 0.108, 0.112]), "evaluation_barrier": True}
+    )
+    assert "nocomm loopback 69 → 110." in lm_progress.report(results)
+    # the same command again (an interrupted re-probe resumed) keeps the new probes
+    lm.set_aside(results, ["nocomm", "diloco"], "taken before the barrier", [2])
+    assert [p["method"] for p in results["probes"]] == ["dense", "diloco", "nocomm"]
+    assert len(results["superseded_probes"]) == 2
+
+
+def test_the_trajectories_rechecked_on_todays_code_are_named():
+    def check(method, now, then):
+        return {"n": 2, "method": method, "seed": 0, "step": 100, "commit": "abc1234",
+                "eval_loss": now, "trajectory_eval_loss": then, "equal": now == then}  # fmt: skip
+
+    results = {**RESULTS, "recheck": [check("dense", 2.6555, 2.6555),
+                                      check("int8_2p", 2.6555972, 2.6555941),
+                                      {**check("bf16", 1.0, 1.0), "n": 4}]}  # fmt: skip
+    text = lm_progress.report(results)
+    assert (
+        "Seed 0's trajectories re-run to their first evaluation on today's code (commit "
+        "abc1234; JSON: recheck): equal to the last digit for dense; different for int8_2p "
+        "(2.655597 against 2.655594)." in text
+    )
+    assert "re-run to their first evaluation" not in lm_progress.report(RESULTS)

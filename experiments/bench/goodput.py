@@ -39,6 +39,12 @@ The jaxcomm replicas share JAX's persistent compilation cache (under
 replica loads its programs instead of compiling them; its start-up (importing
 JAX, loading the data, tracing) is still part of what a failure costs.
 
+Beside the runs, each side's inner step is timed as its replicas run it
+(:func:`inner_steps`: one thread a process, DiLoCo's 10 steps a call, a first
+call untimed, no manager, no sync), with 1, 2 and 4 copies at once on the
+cores (``results["inner_step"][side][copies]``): the compute that explains
+the sides' clean goodput, apart from their syncs and failures.
+
 Writes ``--out`` (``experiments/results/goodput.json``; its tables in the
 ``.md`` beside it, :func:`experiments.bench.goodput_report.report`) and each run's
 logs under ``--workdir``. Links: loopback, or ``--rate=100mbit`` (root: each

@@ -20,7 +20,8 @@ the rule's byte ledger), every ``--eval_every`` steps, so the LM study runs,
 probes and judges these runs as it does the harness's. Before an evaluation
 every exchange in flight is joined (:meth:`Overlap.drain`: exact) and the
 losses are averaged across processes while no exchange is in flight (the
-overlap needs the step to run no collective of its own). No checkpoints (the
+overlap needs the step to run no collective of its own); the other processes
+wait for the evaluation at a barrier, as the harness's do. No checkpoints (the
 study takes none).
 
 Command (2 processes; ``experiments.launch`` sets the rendezvous)::
@@ -39,6 +40,7 @@ import jax
 import numpy as np
 import optax
 from absl import app, flags
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -149,6 +151,8 @@ def run(config, workdir: str) -> None:
                        "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            # the others wait for the evaluation, as the harness's do (experiments.train)
+            multihost_utils.sync_global_devices(f"jaxcomm evaluated {step}")
         else:
             train_s += time.perf_counter() - t
 

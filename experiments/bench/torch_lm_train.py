@@ -35,8 +35,9 @@ the ranks, ``eval_loss`` and its standard error over windows, ``accuracy``,
 ``train_s``: seconds of training steps, evaluations excluded, ``wire_bytes``:
 the bytes this rank handed to ``all_reduce`` so far), every ``--eval_every``
 steps, so the LM study (:mod:`experiments.studies.lm`) runs, probes and
-judges these runs as it does its own methods. Rank 0 evaluates (the others
-wait at the next step's all-reduce, as the JAX harness's do).
+judges these runs as it does its own methods. Rank 0 evaluates; the others
+wait for it at a barrier, as the JAX harness's processes do, so that every
+timed step runs with all the ranks.
 
 Command (2 processes; ``experiments.launch`` sets the rendezvous)::
 
@@ -178,6 +179,10 @@ def main(argv) -> None:
                        "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+            if done % every == 0 or done == stop:
+                # the others wait for rank 0's evaluation, as the harness's processes do: else
+                # a rank with no collective until its next sync (DiLoCo) computes during it
+                dist.barrier()
     if FLAGS.hook in torch_lm_ft.VARIANT:
         manager.shutdown(wait=False)
         dist.barrier()  # every manager is done with the lighthouse

@@ -50,6 +50,10 @@ def base() -> ml_collections.ConfigDict:
     c.on_nonfinite = "abort"
     c.progress = True
     c.plot = True
+    # every process appends to timeline.p<i>.jsonl in the workdir: each call's start and
+    # end, process 0's evaluation's end, and when the process was free to go on (time.time()),
+    # to check that the processes run in step
+    c.timeline = False
     return c
 
 

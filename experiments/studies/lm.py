@@ -10,7 +10,7 @@ Tables and plot from the JSON (no runs):
 The study's running time is measured, not guessed: the report sums every
 launched command's wall time from the JSON (``report.running_time``).
 
-What runs, in three phases (``--phases``; each resumes where it stopped).
+What runs, in four phases (``--phases``; each resumes where it stopped).
 
 *runs*: every method of ``experiments/configs/lm_shakespeare.py`` (AdamW with
 one warm-up + cosine schedule for all; DiLoCo's inner optimizer is the same;
@@ -25,6 +25,12 @@ run beside other work. The JSON also holds byte n-gram counting models fitted
 on the same training split and scored on the same windows
 (:mod:`experiments.studies.ngram`): the lines a model must pass to have
 learned more than n-gram statistics.
+
+*recheck* (may share the cores): each method's seed 0 trajectory, perhaps run
+on older code, is run again on today's to its first evaluation (loopback,
+step 100); the JSON's ``recheck`` says whether the two validation losses are
+equal to the last digit, and the report names the methods whose trajectories
+are not today's arithmetic.
 
 The PyTorch peers (``TORCH``: DDP dense, with the fp16 hook, with the PowerSGD
 hook at jaxcomm's rank; torchft's DiLoCo and Streaming DiLoCo at the study's
@@ -50,7 +56,16 @@ kept apart) and then at least ``--probe_steps`` steps and two sync periods;
 the cell's step time is the median probe's, with the range. A cell's time to
 target is *steps to target on the seed's trajectory x that step time*: an
 estimate (a JSON without loopback probes times loopback by the runs' own
-clocks instead).
+clocks instead). A probe evaluates after every call, on process 0, and the
+other processes wait for that evaluation (:mod:`experiments.train`), so every
+timed call runs with all of them. ``--reprobe=METHODS --reprobe_why=...``
+sets those methods' probes aside (kept in the JSON as ``superseded_probes``
+and shown beside the new ones, never used) and the probes phase takes them
+again (only the probes without the ``evaluation_barrier`` stamp: rerunning the
+command keeps the new ones). The probes taken before the processes waited,
+of the methods with no collective for several steps (the floors ``nocomm`` and
+``torch_nocomm``, the DiLoCo family, torchft's among them), were deflated:
+process 1 computed its next call during the evaluation.
 
 *validate* (quiet cores): ``--validate=RATE:METHOD`` checks the estimate with
 whole runs on the shaped link (seed 0, end to end; the report's "Estimates
@@ -99,17 +114,24 @@ def define_flags() -> None:
     flags.DEFINE_string(
         "out", "experiments/results/lm_study_learned.json", "JSON written and updated"
     )
+    flags.DEFINE_list(
+        "reprobe", [], "methods whose probes are set aside (superseded_probes, with "
+        "--reprobe_why) and taken again by the probes phase"
+    )  # fmt: skip
+    flags.DEFINE_string("reprobe_why", "", "why --reprobe's probes are set aside (required)")
     flags.DEFINE_string("workroot", "runs/lm_study", "workdirs of the runs")
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
     flags.DEFINE_list(
         "phases", list(PHASES),
-        "what to run: runs (the loopback trajectories, untimed), probes (every link's step "
+        "what to run: runs (the loopback trajectories, untimed), recheck (each seed 0 "
+        "trajectory re-run to its first evaluation on today's code, untimed), probes (every "
+        "link's step "
         "time, loopback included: quiet cores), validate (whole shaped runs: quiet cores)",
     )  # fmt: skip
 
 
 #: The study's phases, in order (``--phases``).
-PHASES = ("runs", "probes", "validate")
+PHASES = ("runs", "recheck", "probes", "validate")
 
 #: The metrics kept of each row of a run.
 KEEP = ("step", "loss", "eval_loss", "eval_loss_se", "accuracy", "train_s", "wire_bytes")
@@ -205,11 +227,33 @@ def probe(results: dict, n: int, rate: str, method: str, steps: int) -> dict:
         "step_s": statistics.median(r["step_s"] for r in reps),
         "step_s_min": by_time[0]["step_s"], "step_s_max": by_time[-1]["step_s"],
         "first_call": mid["first_call"], "probe_check": reps[0]["probe_check"],
+        "evaluation_barrier": True,  # the other processes waited for each evaluation
     }  # fmt: skip
     ms = [f"{1e3 * r['step_s']:.0f}" for r in reps]
     print(f"n={n} {rate:8s} {method:14s}: {1e3 * out['step_s']:.0f} ms/step "
           f"(probes {', '.join(ms)})", flush=True)  # fmt: skip
     return out
+
+
+def set_aside(results: dict, methods: list[str], why: str, ns: list[int]) -> None:
+    """Move the probes of ``methods`` on ``ns`` processes taken before the other processes
+    waited for each evaluation (no ``evaluation_barrier`` stamp) to
+    ``results["superseded_probes"]``, each with ``why`` (kept, and shown beside the new
+    ones, never used), so that the probes phase takes them again."""
+    if not methods:
+        return
+    if not why.strip():
+        raise ValueError("--reprobe_why: say why the probes of --reprobe are set aside")
+    unknown = sorted(set(methods) - set(METHODS) - set(PROBE_ONLY))
+    if unknown:
+        raise ValueError(f"--reprobe: unknown methods {unknown}; choose from the study's")
+    # only probes taken before the others waited for the evaluation: a second run of the
+    # same command keeps the probes the first one took
+    stale = lambda p: not p.get("evaluation_barrier")
+    old = [p for p in results["probes"] if p["method"] in methods and p["n"] in ns and stale(p)]
+    results["probes"] = [p for p in results["probes"] if p not in old]
+    results.setdefault("superseded_probes", []).extend({**p, "why": why} for p in old)
+    print(f"set aside {len(old)} probed cells of {methods}: {why}", flush=True)
 
 
 def best_method(results: dict, n: int, rate: str) -> str | None:
@@ -221,6 +265,23 @@ def best_method(results: dict, n: int, rate: str) -> str | None:
         print(f"n={n} {rate}: no method qualifies for the headline yet: BEST not run", flush=True)
         return None
     return best["method"]
+
+
+def recheck_run(results: dict, n: int, method: str, steps: int) -> dict:
+    """Seed 0's trajectory re-run on today's code to its first evaluation (loopback): whether
+    the trajectory, perhaps run on older code, is today's arithmetic to the last digit."""
+    base = next(r for r in results["runs"] if (r["n"], r["method"], r["seed"]) == (n, method, 0))
+    first = base["curve"][0]
+    run = run_training(n, "loopback", method, 0, steps, first["step"], 0, tag=".recheck")
+    now = next(p for p in run["curve"] if p["step"] == first["step"])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or None  # fmt: skip
+    print(f"n={n} {method:14s}: step {first['step']} val {now['eval_loss']!r} against the "
+          f"trajectory's {first['eval_loss']!r}", flush=True)  # fmt: skip
+    return {"n": n, "method": method, "seed": 0, "step": first["step"], "commit": commit,
+            "eval_loss": now["eval_loss"], "trajectory_eval_loss": first["eval_loss"],
+            "equal": now["eval_loss"] == first["eval_loss"], "command": run["command"],
+            "process_wall_s": run["process_wall_s"]}  # fmt: skip
 
 
 def validate_run(n: int, rate: str, method: str, steps: int) -> dict:
@@ -268,6 +329,13 @@ def main(argv: list[str]) -> None:
     phases = set(FLAGS.phases)
     if not phases <= set(PHASES):
         raise ValueError(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {PHASES}")
+    if FLAGS.reprobe and ("probes" not in phases or not set(FLAGS.reprobe) <= set(FLAGS.methods)):
+        raise ValueError(
+            f"--reprobe={FLAGS.reprobe}: needs the probes phase and every method in --methods "
+            f"(--phases={sorted(phases)}, --methods={FLAGS.methods}): else they are set aside "
+            "and not taken again"
+        )
+    set_aside(results, FLAGS.reprobe, FLAGS.reprobe_why, list(map(int, FLAGS.processes)))
     have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
     probed = {(p["n"], p["rate"], p["method"]) for p in results["probes"]}
     for n in map(int, FLAGS.processes):
@@ -281,10 +349,15 @@ def main(argv: list[str]) -> None:
                 last = run["curve"][-1]
                 print(f"n={n} {method:14s} seed {seed}: val {last['eval_loss']:.4f} "
                       f"in {last['train_s']:.1f} s", flush=True)  # fmt: skip
+        have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
+        rechecked = {(c["n"], c["method"]) for c in results.setdefault("recheck", [])}
+        for method in FLAGS.methods if "recheck" in phases else ():
+            if (n, method) not in rechecked and (n, method, 0) in have:
+                results["recheck"].append(recheck_run(results, n, method, steps))
+                save()
         # every link's step time, loopback's too, each cell probed --probes times (a probe
         # checks its loss against seed 0's trajectory, so that run comes first; a compute
         # floor has none)
-        have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
         for rate in ["loopback", *FLAGS.rates] if "probes" in phases else ():
             for method in FLAGS.methods:
                 floor = method in FLOORS  # probed on loopback only, with no trajectory

@@ -42,6 +42,7 @@ from experiments.studies.ngram import ngram_line
 from experiments.studies.report import (
     RATE_ORDER,
     cell_probes,
+    probe_summary,
     running_time,
 )
 
@@ -136,6 +137,8 @@ def report(results: dict, n: int = 2) -> str:
         lines.append(f"Fewer than {verdict.MIN_SEEDS} seeds of dense: nothing is judged yet.")
     lines += tried_lines(results, n)
     lines += probes_table(results, n)
+    lines += superseded_lines(results, n)
+    lines += recheck_lines(results, n)
     lines += peers
     ngram = ngram_line(results)
     if ngram:
@@ -178,3 +181,37 @@ def probes_table(results: dict, n: int = 2) -> list[str]:
                        f"{1e3 * c['step_s_max']:.0f}; {c['probes']}){mark}")  # fmt: skip
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     return lines
+
+
+def superseded_lines(results: dict, n: int = 2) -> list[str]:
+    """Markdown lines: the probes set aside (``lm.py --reprobe``), each cell's old median
+    beside its new one, and why they were set aside. They are kept, never used."""
+    old = [p for p in results.get("superseded_probes", []) if p["n"] == n]
+    if not old:
+        return []
+    new = cell_probes(results, n)
+    by_why: dict[str, list[str]] = {}
+    for c in sorted(old, key=lambda p: (p["method"], RATE_ORDER.index(p["rate"]))):
+        now = new.get((c["rate"], c["method"]))
+        now_ms = f"{1e3 * now['step_s']:.0f}" if now else "not probed again yet"
+        by_why.setdefault(c["why"], []).append(
+            f"{c['method']} {c['rate']} {1e3 * probe_summary([c])['step_s']:.0f} → {now_ms}"
+        )
+    return ["", *(f"Probes set aside ({why}; JSON: superseded_probes), the old median step "
+                  f"in ms → today's: {'; '.join(c)}." for why, c in by_why.items())]  # fmt: skip
+
+
+def recheck_lines(results: dict, n: int = 2) -> list[str]:
+    """Markdown lines: which seed 0 trajectories today's code reproduces to the last digit at
+    their first evaluation (``lm.py --phases=recheck``), and how the others differ there."""
+    checks = [c for c in results.get("recheck", []) if c["n"] == n]
+    if not checks:
+        return []
+    same = [c["method"] for c in checks if c["equal"]]
+    differ = [f"{c['method']} ({c['eval_loss']:.6f} against {c['trajectory_eval_loss']:.6f})"
+              for c in checks if not c["equal"]]  # fmt: skip
+    commits = sorted({c["commit"] or "?" for c in checks})
+    same_s, differ_s = ", ".join(same) or "none", ", ".join(differ) or "none"
+    return ["", f"Seed 0's trajectories re-run to their first evaluation on today's code "
+            f"(commit {', '.join(commits)}; JSON: recheck): equal to the last digit for "
+            f"{same_s}; different for {differ_s}."]  # fmt: skip

@@ -259,16 +259,17 @@ def _wall(entry: dict) -> float:
 
 
 def running_time(results: dict) -> dict:
-    """Hours of launched commands: every run, probe (each repeat) and whole run on a link.
+    """Hours of launched commands: every run, probe (each repeat, those set aside too),
+    trajectory re-run to its first evaluation (``recheck``) and whole run on a link.
 
     Each entry's ``wall_s``, else its ``process_wall_s``, else its last curve
     row's ``train_s``; a probe's repeats count separately when they carry a wall
     time. Returns ``{"total_h", "by_processes": {n: hours}}``.
     """
     by: dict[int, float] = {}
-    for e in results["runs"] + results.get("validation", []):
+    for e in results["runs"] + results.get("validation", []) + results.get("recheck", []):
         by[e["n"]] = by.get(e["n"], 0.0) + _wall(e)
-    for p in results["probes"]:
+    for p in results["probes"] + results.get("superseded_probes", []):
         reps = p.get("repeats") or []
         each = [_wall(r) for r in reps] if reps and all(_wall(r) for r in reps) else [_wall(p)]
         by[p["n"]] = by.get(p["n"], 0.0) + sum(each)
