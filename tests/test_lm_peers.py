@@ -173,3 +173,19 @@ def test_ddp_without_its_overlap_is_a_row_beside_its_pair_and_never_a_best():
     assert "torch_after" not in lm_peers.verdicts(s)["methods"]
     assert "torch_after" not in report.complete_groups(s)[0][2]
     assert "torch_after" not in {r["method"] for r in lm_progress.rows(s)}
+
+
+def test_a_whole_run_is_set_against_its_estimate_in_the_block_and_the_headline():
+    from tests.test_verdict import TOTAL
+
+    s = study()
+    # bf16's seed 0 reaches the target at step 180: estimated 1 + 180 x 1.0 s at 10 Mbit/s;
+    # its whole run there takes 1.2 s a step: 216 s, 1.19x the estimate (outside 10%)
+    steps = [TOTAL * (i + 1) // 20 for i in range(20)]
+    whole = curve(decay(2.0), times=[1.2 * k for k in steps])
+    s["validation"] = [{"n": 2, "rate": "10mbit", "method": "bf16", "seed": 0, "curve": whole}]
+    text = "\n".join(lm_peers.lines(s))
+    assert "| bf16 | 10 Mbit/s | 0 | 181 | 216 | 1.19 | no |" in text
+    assert "whole runs against their estimates (measured / estimated): bf16 at 10 Mbit/s " \
+           "1.19" in lm_peers.headline(s)  # fmt: skip
+    assert "whole runs against" not in lm_peers.headline(study())

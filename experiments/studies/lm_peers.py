@@ -128,7 +128,8 @@ def _versus(jax: dict | None, other: dict | None) -> str:
 
 
 def lines(results: dict, n: int = 2) -> list[str]:
-    """The markdown block: each method's time to target on every link, then per link
+    """The markdown block: each method's time to target on every link, the whole runs
+    against their estimates, then per link
     each framework's best and jaxcomm's against the others'. Empty until dense and at
     least one peer are probed on every link."""
     v = verdicts(results, n)
@@ -143,6 +144,7 @@ def lines(results: dict, n: int = 2) -> list[str]:
         "",
     ]
     out += report._time_table(v, methods)
+    out += report._checks_table(v, methods)
     out += [
         "",
         "Per link, each framework's fastest method on AdamW whose time counts (every seed "
@@ -247,8 +249,8 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
 
 def headline(results: dict, n: int = 2) -> str | None:
     """One sentence for the README: per shaped link, each framework's best time to target
-    (:func:`best`), and jaxcomm's dense step over its floor against DDP's; None until the
-    block exists (:func:`lines`)."""
+    (:func:`best`), jaxcomm's dense step over its floor against DDP's, and the whole runs'
+    times over their estimates; None until the block exists (:func:`lines`)."""
     v = verdicts(results, n)
     if v is None or not any(m in TORCH for m in v["methods"]):
         return None
@@ -286,6 +288,9 @@ def headline(results: dict, n: int = 2) -> str | None:
                     f"{reach['reached']} of {reach['seeds']} seeds, finals "
                     f"{' / '.join(f'{x:.4f}' for x in mine['finals'])} against "
                     f"{' / '.join(f'{x:.4f}' for x in theirs['finals'])}")  # fmt: skip
+    checked = ", ".join(f"{c['method']} at {report.RATE_NAMES[c['rate']]} {c['ratio']:.2f}"
+                        for c in v["checks"] if c["ratio"] is not None)  # fmt: skip
+    checked = checked and f"; whole runs against their estimates (measured / estimated): {checked}"
     return (f"{n} processes, time to target of each framework's fastest method on AdamW that ends "
             f"in the band (× = the other's time over jaxcomm's): {'; '.join(parts)}{floor}"
-            f"{why}.")  # fmt: skip
+            f"{checked}{why}.")  # fmt: skip
