@@ -139,6 +139,6 @@ def test_the_trajectories_rechecked_on_todays_code_are_named():
     assert (
         "Seed 0's trajectories re-run to their first evaluation on today's code (commit "
         "abc1234; JSON: recheck): equal to the last digit for dense; different for int8_2p "
-        "(2.655597 against 2.655594)." in text
+        "(2.655597200 against 2.655594100)." in text
     )
     assert "re-run to their first evaluation" not in lm_progress.report(RESULTS)

@@ -208,7 +208,7 @@ def recheck_lines(results: dict, n: int = 2) -> list[str]:
     if not checks:
         return []
     same = [c["method"] for c in checks if c["equal"]]
-    differ = [f"{c['method']} ({c['eval_loss']:.6f} against {c['trajectory_eval_loss']:.6f})"
+    differ = [f"{c['method']} ({c['eval_loss']:.9f} against {c['trajectory_eval_loss']:.9f})"
               for c in checks if not c["equal"]]  # fmt: skip
     commits = sorted({c["commit"] or "?" for c in checks})
     same_s, differ_s = ", ".join(same) or "none", ", ".join(differ) or "none"
