@@ -166,23 +166,23 @@ def main(argv) -> None:
             train_s += time.perf_counter() - t
             losses.append(loss.item())
             done = step + 1
-            if done % every == 0 or done == stop:
-                # the harness's "loss": the mean over the steps since the last row and over
-                # the ranks (one uncounted all-reduce per evaluation, on every rank)
-                mean = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
-                counter.orig(mean)
-                losses = []
-            if rank == 0 and (done % every == 0 or done == stop):
+            if done % every != 0 and done != stop:
+                continue
+            # the harness's "loss": the mean over the steps since the last row and over
+            # the ranks (one uncounted all-reduce per evaluation, on every rank)
+            mean = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            counter.orig(mean)
+            losses = []
+            if rank == 0:
                 row = {"step": done, "loss": float(mean[0] / mean[1]),
                        **torch_lm.evaluate(model, ds.x_test), "train_s": train_s,
                        "wire_bytes": int(counter.bytes), "processes": world,
                        "wall_s": time.perf_counter() - t0}  # fmt: skip
                 with open(path, "a") as f:
                     f.write(json.dumps(row) + "\n")
-            if done % every == 0 or done == stop:
-                # the others wait for rank 0's evaluation, as the harness's processes do: else
-                # a rank with no collective until its next sync (DiLoCo) computes during it
-                dist.barrier()
+            # the others wait for rank 0's evaluation, as the harness's processes do: else
+            # a rank with no collective until its next sync (DiLoCo) computes during it
+            dist.barrier()
     if FLAGS.hook in torch_lm_ft.VARIANT:
         manager.shutdown(wait=False)
         dist.barrier()  # every manager is done with the lighthouse
