@@ -142,3 +142,55 @@ def test_the_trajectories_rechecked_on_todays_code_are_named():
         "(2.655597200 against 2.655594100)." in text
     )
     assert "re-run to their first evaluation" not in lm_progress.report(RESULTS)
+
+
+def test_trajectories_set_aside_are_shown_beside_todays_and_run_again():
+    from experiments.studies import lm, report
+
+    results = {**RESULTS, "runs": [*RESULTS["runs"], {**_run("dense", 1, 7.0), "commit": "abc"}],
+               "recheck": [{"n": 2, "method": "int8_2p", "seed": 0, "step": 100,
+                            "process_wall_s": 90.0, "equal": False, "commit": "abc",
+                            "eval_loss": 2.5, "trajectory_eval_loss": 2.6},
+                           {"n": 2, "method": "bf16", "seed": 0, "step": 100,
+                            "process_wall_s": 90.0, "equal": True, "commit": "abc",
+                            "eval_loss": 2.5, "trajectory_eval_loss": 2.5}]}  # fmt: skip
+    with pytest.raises(ValueError, match="--rerun_why"):
+        lm.set_aside_runs(results, ["int8_2p"], "", [2], [0, 1, 2])
+    with pytest.raises(ValueError, match=r"--rerun: unknown methods \['nocomm'\]"):
+        lm.set_aside_runs(results, ["nocomm"], "why", [2], [0, 1, 2])  # probed only: no runs
+    hours = report.running_time(results)["total_h"]
+    lm.set_aside_runs(results, ["int8_2p", "dense"], "older code", [2], [0, 1])
+    assert report.running_time(results)["total_h"] == hours  # their time was spent
+    kept = [(r["method"], r["seed"], r["n"]) for r in results["runs"]]
+    assert ("int8_2p", 2, 2) in kept and ("dense", 2, 2) in kept  # a seed not in --seeds
+    assert ("dense", 0, 4) in kept  # another process count
+    assert ("dense", 1, 2) in kept and ("dense", 0, 2) not in kept  # stamped: today's code
+    assert ("int8_2p", 0, 2) not in kept and ("int8_2p", 1, 2) not in kept
+    old = {(r["method"], r["seed"]): r for r in results["superseded_runs"]}
+    assert sorted(old) == [("dense", 0), ("dense", 1), ("int8_2p", 0), ("int8_2p", 1)]
+    assert old[("int8_2p", 0)]["recheck"]["equal"] is False  # the recheck goes with it
+    assert [c["method"] for c in results["recheck"]] == ["bf16"]
+    text = lm_progress.report(results)
+    assert "equal to the last digit for bf16; different for none." in text  # int8_2p's went
+    assert ("Trajectories set aside (older code; JSON: superseded_runs), the old final "
+            "validation loss → today's run's: dense seed 0 1.7400 → not run again yet; dense "
+            "seed 1 1.7000 → 7.0000; int8_2p seed 0 1.7300 → not run again yet; int8_2p seed 1 "
+            "1.7400 → not run again yet.") in text  # fmt: skip
+    results["runs"].append({**_run("int8_2p", 0, 1.7369), "commit": "def"})
+    assert "int8_2p seed 0 1.7300 → 1.7369;" in lm_progress.report(results)
+    # the same command again (an interrupted re-run resumed) keeps the new runs
+    lm.set_aside_runs(results, ["int8_2p", "dense"], "older code", [2], [0, 1])
+    assert len(results["superseded_runs"]) == 4 and ("int8_2p", 0) in {
+        (r["method"], r["seed"]) for r in results["runs"]
+    }
+
+
+def test_a_set_aside_that_would_not_be_taken_again_is_refused():
+    from experiments.studies import lm
+
+    lm.taken_again("rerun", ["int8_2p"], "runs", {"runs"}, ["int8_2p", "bf16"])
+    lm.taken_again("reprobe", [], "probes", {"runs"}, ["dense"])  # nothing asked
+    with pytest.raises(ValueError, match=r"--rerun=\['int8_2p'\]: needs the runs phase"):
+        lm.taken_again("rerun", ["int8_2p"], "runs", {"probes"}, ["int8_2p"])
+    with pytest.raises(ValueError, match=r"--reprobe=\['dense', 'bf16'\]: needs the probes"):
+        lm.taken_again("reprobe", ["dense", "bf16"], "probes", {"probes"}, ["dense"])

@@ -30,7 +30,12 @@ learned more than n-gram statistics.
 on older code, is run again on today's to its first evaluation (loopback,
 step 100); the JSON's ``recheck`` says whether the two validation losses are
 equal to the last digit, and the report names the methods whose trajectories
-are not today's arithmetic.
+are not today's arithmetic. ``--rerun=METHODS --rerun_why=...`` (with the
+runs phase) sets those methods' trajectories of ``--seeds`` aside (kept in the
+JSON as ``superseded_runs``, each with its recheck, their finals shown beside
+today's, never used) and runs them again; a run is stamped with the commit it
+ran on, and only unstamped runs are set aside (rerunning the command keeps the
+new ones).
 
 The PyTorch peers (``TORCH``: DDP dense, with the fp16 hook, with the PowerSGD
 hook at jaxcomm's rank; torchft's DiLoCo and Streaming DiLoCo at the study's
@@ -119,6 +124,11 @@ def define_flags() -> None:
         "--reprobe_why) and taken again by the probes phase"
     )  # fmt: skip
     flags.DEFINE_string("reprobe_why", "", "why --reprobe's probes are set aside (required)")
+    flags.DEFINE_list(
+        "rerun", [], "methods whose trajectories (of --seeds) ran on older code: set aside "
+        "(superseded_runs, with --rerun_why) and run again by the runs phase"
+    )  # fmt: skip
+    flags.DEFINE_string("rerun_why", "", "why --rerun's trajectories are set aside (required)")
     flags.DEFINE_string("workroot", "runs/lm_study", "workdirs of the runs")
     flags.DEFINE_bool("report", False, "only write the tables (.md) and plot (.png) from --out")
     flags.DEFINE_list(
@@ -256,6 +266,53 @@ def set_aside(results: dict, methods: list[str], why: str, ns: list[int]) -> Non
     print(f"set aside {len(old)} probed cells of {methods}: {why}", flush=True)
 
 
+def taken_again(flag: str, asked: list[str], phase: str, phases: set, methods: list[str]) -> None:
+    """Refuse ``--reprobe`` / ``--rerun`` whose methods this command would set aside and not
+    take again: it needs ``phase`` in ``--phases`` and every one of them in ``--methods``."""
+    if asked and (phase not in phases or not set(asked) <= set(methods)):
+        raise ValueError(
+            f"--{flag}={asked}: needs the {phase} phase and every method in --methods "
+            f"(--phases={sorted(phases)}, --methods={methods}): else they are set aside "
+            "and not taken again"
+        )
+
+
+def head_commit() -> str | None:
+    """The short commit the study's code is at (None outside a git checkout)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def set_aside_runs(
+    results: dict, methods: list[str], why: str, ns: list[int], seeds: list[int]
+) -> None:  # fmt: skip
+    """Move the trajectories of ``methods`` on ``ns`` processes and ``seeds`` that carry no
+    ``commit`` stamp (run before runs were stamped: on older code) to
+    ``results["superseded_runs"]``, each with ``why`` and its seed 0 ``recheck`` entry
+    (which compared today's code with it), so that the runs phase runs them again. They
+    are kept, shown beside today's finals and counted in the running time, never used."""
+    if not methods:
+        return
+    if not why.strip():
+        raise ValueError("--rerun_why: say why the trajectories of --rerun are set aside")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--rerun: unknown methods {unknown}; choose from the study's runs")
+    # only unstamped runs: a second run of the same command keeps the ones the first made
+    mine = lambda r: r["method"] in methods and r["n"] in ns and r["seed"] in seeds
+    old = [r for r in results["runs"] if mine(r) and not r.get("commit")]
+    results["runs"] = [r for r in results["runs"] if not any(r is o for o in old)]
+    checks = results.get("recheck", [])
+    for r in old:
+        was = [c for c in checks if (c["n"], c["method"], c["seed"]) == (r["n"], r["method"],
+                                                                          r["seed"])]  # fmt: skip
+        checks[:] = [c for c in checks if not any(c is w for w in was)]
+        results.setdefault("superseded_runs", []).append(
+            {**r, "why": why, **({"recheck": was[0]} if was else {})}
+        )
+    print(f"set aside {len(old)} trajectories of {methods}: {why}", flush=True)
+
+
 def best_method(results: dict, n: int, rate: str) -> str | None:
     """``BEST`` in ``--validate``: the headline method on that link (the verdict's rules:
     fastest to target among those whose every seed ends within 1% of dense's median);
@@ -274,8 +331,7 @@ def recheck_run(results: dict, n: int, method: str, steps: int) -> dict:
     first = base["curve"][0]
     run = run_training(n, "loopback", method, 0, steps, first["step"], 0, tag=".recheck")
     now = next(p for p in run["curve"] if p["step"] == first["step"])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or None  # fmt: skip
+    commit = head_commit()
     print(f"n={n} {method:14s}: step {first['step']} val {now['eval_loss']!r} against the "
           f"trajectory's {first['eval_loss']!r}", flush=True)  # fmt: skip
     return {"n": n, "method": method, "seed": 0, "step": first["step"], "commit": commit,
@@ -329,13 +385,11 @@ def main(argv: list[str]) -> None:
     phases = set(FLAGS.phases)
     if not phases <= set(PHASES):
         raise ValueError(f"--phases: unknown {sorted(phases - set(PHASES))}; choose from {PHASES}")
-    if FLAGS.reprobe and ("probes" not in phases or not set(FLAGS.reprobe) <= set(FLAGS.methods)):
-        raise ValueError(
-            f"--reprobe={FLAGS.reprobe}: needs the probes phase and every method in --methods "
-            f"(--phases={sorted(phases)}, --methods={FLAGS.methods}): else they are set aside "
-            "and not taken again"
-        )
-    set_aside(results, FLAGS.reprobe, FLAGS.reprobe_why, list(map(int, FLAGS.processes)))
+    taken_again("reprobe", FLAGS.reprobe, "probes", phases, FLAGS.methods)
+    taken_again("rerun", FLAGS.rerun, "runs", phases, FLAGS.methods)
+    ns, seeds = list(map(int, FLAGS.processes)), list(map(int, FLAGS.seeds))
+    set_aside(results, FLAGS.reprobe, FLAGS.reprobe_why, ns)
+    set_aside_runs(results, FLAGS.rerun, FLAGS.rerun_why, ns, seeds)
     have = {(r["n"], r["method"], r["seed"]) for r in results["runs"]}
     probed = {(p["n"], p["rate"], p["method"]) for p in results["probes"]}
     for n in map(int, FLAGS.processes):
@@ -344,7 +398,8 @@ def main(argv: list[str]) -> None:
                 if (n, method, seed) in have or method in PROBE_ONLY:  # probes only
                     continue
                 run = run_training(n, "loopback", method, seed, steps, 0)
-                results["runs"].append({"n": n, "method": method, "seed": seed, **run})
+                results["runs"].append({"n": n, "method": method, "seed": seed,
+                                        "commit": head_commit(), **run})  # fmt: skip
                 save()
                 last = run["curve"][-1]
                 print(f"n={n} {method:14s} seed {seed}: val {last['eval_loss']:.4f} "

@@ -138,6 +138,7 @@ def report(results: dict, n: int = 2) -> str:
     lines += tried_lines(results, n)
     lines += probes_table(results, n)
     lines += superseded_lines(results, n)
+    lines += superseded_run_lines(results, n)
     lines += recheck_lines(results, n)
     lines += peers
     ngram = ngram_line(results)
@@ -199,6 +200,25 @@ def superseded_lines(results: dict, n: int = 2) -> list[str]:
         )
     return ["", *(f"Probes set aside ({why}; JSON: superseded_probes), the old median step "
                   f"in ms → today's: {'; '.join(c)}." for why, c in by_why.items())]  # fmt: skip
+
+
+def superseded_run_lines(results: dict, n: int = 2) -> list[str]:
+    """Markdown lines: the trajectories set aside (``lm.py --rerun``), each seed's old final
+    validation loss beside today's run's, and why. They are kept, never used."""
+    old = [r for r in results.get("superseded_runs", []) if r["n"] == n]
+    if not old:
+        return []
+    now = {(r["method"], r["seed"]): r for r in results["runs"] if r["n"] == n}
+    by_why: dict[str, list[str]] = {}
+    for r in sorted(old, key=lambda r: (r["method"], r["seed"])):
+        new = now.get((r["method"], r["seed"]))
+        new_s = f"{new['curve'][-1]['eval_loss']:.4f}" if new else "not run again yet"
+        by_why.setdefault(r["why"], []).append(
+            f"{r['method']} seed {r['seed']} {r['curve'][-1]['eval_loss']:.4f} → {new_s}"
+        )
+    return ["", *(f"Trajectories set aside ({why}; JSON: superseded_runs), the old final "
+                  f"validation loss → today's run's: {'; '.join(c)}."
+                  for why, c in by_why.items())]  # fmt: skip
 
 
 def recheck_lines(results: dict, n: int = 2) -> list[str]:

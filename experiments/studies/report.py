@@ -259,15 +259,18 @@ def _wall(entry: dict) -> float:
 
 
 def running_time(results: dict) -> dict:
-    """Hours of launched commands: every run, probe (each repeat, those set aside too),
-    trajectory re-run to its first evaluation (``recheck``) and whole run on a link.
+    """Hours of launched commands: every run and probe (those set aside too; each probe's
+    repeats), trajectory re-run to its first evaluation (``recheck``) and whole run on a link.
 
     Each entry's ``wall_s``, else its ``process_wall_s``, else its last curve
     row's ``train_s``; a probe's repeats count separately when they carry a wall
     time. Returns ``{"total_h", "by_processes": {n: hours}}``.
     """
     by: dict[int, float] = {}
-    for e in results["runs"] + results.get("validation", []) + results.get("recheck", []):
+    old = results.get("superseded_runs", [])
+    spent = results.get("validation", []) + results.get("recheck", [])
+    spent += [r["recheck"] for r in old if "recheck" in r]  # set aside with its trajectory
+    for e in results["runs"] + old + spent:
         by[e["n"]] = by.get(e["n"], 0.0) + _wall(e)
     for p in results["probes"] + results.get("superseded_probes", []):
         reps = p.get("repeats") or []
