@@ -194,3 +194,17 @@ def test_a_set_aside_that_would_not_be_taken_again_is_refused():
         lm.taken_again("rerun", ["int8_2p"], "runs", {"probes"}, ["int8_2p"])
     with pytest.raises(ValueError, match=r"--reprobe=\['dense', 'bf16'\]: needs the probes"):
         lm.taken_again("reprobe", ["dense", "bf16"], "probes", {"probes"}, ["dense"])
+
+
+def test_the_probes_phase_probes_a_cell_once_unless_asked_again():
+    from experiments.studies import lm
+
+    probed, have = {(2, "loopback", "dense"), (2, "loopback", "nocomm")}, {(2, "dense", 0)}
+    assert not lm.to_probe(2, "loopback", "dense", probed, have, [])
+    assert lm.to_probe(2, "loopback", "dense", probed, have, ["dense"])  # --probe_again
+    assert lm.to_probe(2, "10mbit", "dense", probed, have, [])
+    assert not lm.to_probe(2, "10mbit", "bf16", probed, have, [])  # no trajectory yet
+    assert not lm.to_probe(2, "loopback", "nocomm", probed, have, [])
+    assert lm.to_probe(2, "loopback", "nocomm", probed, have, ["nocomm"])
+    assert not lm.to_probe(2, "10mbit", "nocomm", probed, have, ["nocomm"])  # a floor
+    assert lm.to_probe(2, "10mbit", "torch_after", probed, have, [])  # only probed, every link

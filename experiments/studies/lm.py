@@ -67,7 +67,9 @@ timed call runs with all of them. ``--reprobe=METHODS --reprobe_why=...``
 sets those methods' probes aside (kept in the JSON as ``superseded_probes``
 and shown beside the new ones, never used) and the probes phase takes them
 again (only the probes without the ``evaluation_barrier`` stamp: rerunning the
-command keeps the new ones). The probes taken before the processes waited,
+command keeps the new ones). ``--probe_again=METHODS`` probes those methods'
+cells again though probed (each run of the command adds ``--probes`` more): a
+cell's median and range are over all its probes. The probes taken before the processes waited,
 of the methods with no collective for several steps (the floors ``nocomm`` and
 ``torch_nocomm``, the DiLoCo family, torchft's among them), were deflated:
 process 1 computed its next call during the evaluation.
@@ -124,6 +126,10 @@ def define_flags() -> None:
         "--reprobe_why) and taken again by the probes phase"
     )  # fmt: skip
     flags.DEFINE_string("reprobe_why", "", "why --reprobe's probes are set aside (required)")
+    flags.DEFINE_list(
+        "probe_again", [], "methods whose cells the probes phase probes again though probed: "
+        "the new probes join the cell's (its median and range are over all of them)"
+    )  # fmt: skip
     flags.DEFINE_list(
         "rerun", [], "methods whose trajectories (of --seeds) ran on older code: set aside "
         "(superseded_runs, with --rerun_why) and run again by the runs phase"
@@ -277,6 +283,18 @@ def taken_again(flag: str, asked: list[str], phase: str, phases: set, methods: l
         )
 
 
+def to_probe(
+    n: int, rate: str, method: str, probed: set, have: set, again: list[str]
+) -> bool:  # fmt: skip
+    """Whether the probes phase probes the cell: not probed yet (or the method is in
+    ``again``: ``--probe_again``), and seed 0's trajectory run (a probe's loss is checked
+    against it) unless the method is only probed; a compute floor on loopback only."""
+    if method in FLOORS and rate != "loopback":  # no exchange: the link changes nothing
+        return False
+    todo = (n, rate, method) not in probed or method in again
+    return todo and ((n, method, 0) in have or method in PROBE_ONLY)
+
+
 def head_commit() -> str | None:
     """The short commit the study's code is at (None outside a git checkout)."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -415,11 +433,7 @@ def main(argv: list[str]) -> None:
         # floor has none)
         for rate in ["loopback", *FLAGS.rates] if "probes" in phases else ():
             for method in FLAGS.methods:
-                floor = method in FLOORS  # probed on loopback only, with no trajectory
-                if floor and rate != "loopback":
-                    continue
-                only = method in PROBE_ONLY  # no trajectory to wait for
-                if (n, rate, method) not in probed and ((n, method, 0) in have or only):
+                if to_probe(n, rate, method, probed, have, FLAGS.probe_again):
                     results["probes"].append(probe(results, n, rate, method, steps))
                     save()
         done = {(v["n"], v["rate"], v["method"]) for v in results["validation"]}
