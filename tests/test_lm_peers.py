@@ -189,3 +189,20 @@ def test_a_whole_run_is_set_against_its_estimate_in_the_block_and_the_headline()
     assert "whole runs against their estimates (measured / estimated): bf16 at 10 Mbit/s " \
            "1.19" in lm_peers.headline(s)  # fmt: skip
     assert "whole runs against" not in lm_peers.headline(study())
+
+
+def test_a_ddp_hook_ahead_is_explained_by_its_steps_step_and_bytes():
+    s = study()
+    s["probes"] = [p for p in s["probes"] if (p["method"], p["rate"]) != ("torch_ddp", "10mbit")]
+    s["probes"] += [probe("torch_ddp", 0.8), probe("torch_after", 0.9),  # ahead of bf16's 1.0
+                    probe("nocomm", 0.05, rate="loopback"),
+                    probe("torch_nocomm", 0.08, rate="loopback")]  # fmt: skip
+    text = lm_peers.headline(s)
+    assert "DDP's torch_ddp 153 s (0.80×)" in text  # 1 + 190 x 0.8 against 191
+    mb = lm_peers.verdicts(s)["methods"]["bf16"]["mb_per_step"]
+    assert text.endswith(
+        "; at 10 Mbit/s torch_ddp is ahead: 190 steps to target at 800 ms a step (+720 over "
+        "its floor, +820 without DDP's overlap) against bf16's 190 at 1000 ms a step (+950 "
+        f"over its floor), {mb:.2f} against {mb:.2f} MB a step."
+    )
+    assert "torch_ddp is ahead" not in lm_peers.headline(study())

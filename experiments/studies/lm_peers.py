@@ -34,6 +34,8 @@ both.
 
 from __future__ import annotations
 
+import statistics
+
 from experiments.configs import lm_shakespeare
 from experiments.studies import report, verdict
 from experiments.studies.lm_methods import (
@@ -247,6 +249,29 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
     return out + ([""] + pairs if pairs else [])
 
 
+def _step_against(v: dict, over: dict, rate: str, theirs: str, mine: str) -> str:
+    """Why a DDP method reaches the target before jaxcomm's best on ``rate``: the median
+    steps to target and the probed step of each, over its framework's floor (DDP's also
+    without its overlap, where probed), and the bytes each sends a step."""
+
+    def steps(m: str) -> str:
+        got = [s for s in v["methods"][m]["steps_to_target"] if s is not None]
+        return f"{statistics.median(got):.0f}" if got else "—"
+
+    def step(m: str) -> str:
+        ms, floor = over[m][rate]
+        return f"{ms:.0f} ms a step ({ms - floor:+.0f} over its floor"
+
+    after = next((a for a, of in UNOVERLAPPED.items() if of == theirs and a in over), None)
+    unlapped = ""
+    if after and rate in over[after]:
+        unlapped = f", {over[after][rate][0] - over[after][rate][1]:+.0f} without DDP's overlap"
+    mb = lambda m: f"{v['methods'][m]['mb_per_step']:.2f}"
+    return (f"at {report.RATE_NAMES[rate]} {theirs} is ahead: {steps(theirs)} steps to target "
+            f"at {step(theirs)}{unlapped}) against {mine}'s {steps(mine)} at {step(mine)}), "
+            f"{mb(theirs)} against {mb(mine)} MB a step")  # fmt: skip
+
+
 def headline(results: dict, n: int = 2) -> str | None:
     """One sentence for the README: per shaped link, each framework's best time to target
     (:func:`best`), jaxcomm's dense step over its floor against DDP's, and the whole runs'
@@ -260,11 +285,13 @@ def headline(results: dict, n: int = 2) -> str | None:
             return "none that counts" if e else "not probed on every link"
         return f"{e['method']} {report._s(e['cell']['median'])} s"
 
-    parts, behind = [], set()
+    parts, behind, ahead_on = [], set(), []
     for rate in RATES[1:]:
         b = best(v, rate)
         ratios = {k: _ratio(b["jaxcomm"], b[k]) for k in ("PyTorch DDP", "torchft")}
         behind |= {b[k]["method"] for k, r in ratios.items() if r is not None and r[0] < 1}
+        ahead_on += [(rate, b[k]["method"], b["jaxcomm"]["method"])
+                     for k, r in ratios.items() if r is not None and r[0] < 1]  # fmt: skip
         ddp, ft = (f"{r[0]:.2f}×" if r else "—" for r in ratios.values())
         parts.append(
             f"at {report.RATE_NAMES[rate]} jaxcomm's {one(b['jaxcomm'])}, DDP's "
@@ -288,6 +315,9 @@ def headline(results: dict, n: int = 2) -> str | None:
                     f"{reach['reached']} of {reach['seeds']} seeds, finals "
                     f"{' / '.join(f'{x:.4f}' for x in mine['finals'])} against "
                     f"{' / '.join(f'{x:.4f}' for x in theirs['finals'])}")  # fmt: skip
+    for rate, m, mine in ahead_on:  # a DDP hook ahead: its step and steps against jaxcomm's
+        if variant(m) == "dense" and m in over and mine in over and rate in over[m]:
+            why += "; " + _step_against(v, over, rate, m, mine)
     checked = ", ".join(f"{c['method']} at {report.RATE_NAMES[c['rate']]} {c['ratio']:.2f}"
                         for c in v["checks"] if c["ratio"] is not None)  # fmt: skip
     checked = checked and f"; whole runs against their estimates (measured / estimated): {checked}"
