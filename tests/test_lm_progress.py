@@ -208,3 +208,31 @@ def test_the_probes_phase_probes_a_cell_once_unless_asked_again():
     assert lm.to_probe(2, "loopback", "nocomm", probed, have, ["nocomm"])
     assert not lm.to_probe(2, "10mbit", "nocomm", probed, have, ["nocomm"])  # a floor
     assert lm.to_probe(2, "10mbit", "torch_after", probed, have, [])  # only probed, every link
+
+
+def test_whole_runs_are_set_against_their_trajectory_evaluation_by_evaluation():
+    def rows(*losses):
+        return [{"step": 100 * (i + 1), "eval_loss": x, "train_s": 10.0 * (i + 1)}
+                for i, x in enumerate(losses)]  # fmt: skip
+
+    def whole(method, rate, *losses):
+        return {"n": 2, "method": method, "rate": rate, "seed": 0, "curve": rows(*losses)}
+
+    results = {**RESULTS, "runs": [
+        {"n": 2, "method": "dense", "seed": 0, "curve": rows(2.5, 2.0, 1.74)},
+        {"n": 2, "method": "int8_2p", "seed": 0, "curve": rows(2.6, 2.1, 1.73)},
+    ], "validation": [
+        whole("dense", "100mbit", 2.5, 2.0 + 3e-7, 1.74 - 2e-6),
+        whole("int8_2p", "10mbit", 2.6, 2.1, 1.73),
+        whole("int8_2p", "100mbit", 2.6 + 1e-8, 2.1, 1.73),
+        {**whole("dense", "10mbit", 9.0), "n": 4},  # another process count
+    ]}  # fmt: skip
+    assert lm_progress.whole_run_lines(results) == [
+        "",
+        "Whole runs on a link against their seed's loopback trajectory, evaluation by "
+        "evaluation: dense at 100 Mbit/s: equal through step 100, different from step 200 "
+        "(at most 2.0e-06); int8_2p at 10 Mbit/s: equal at all 3 evaluations; int8_2p at "
+        "100 Mbit/s: different from step 100 (at most 1.0e-08).",
+    ]
+    assert lm_progress.whole_run_lines(RESULTS) == []
+    assert "Whole runs on a link against" in lm_progress.report(results)

@@ -20,6 +20,9 @@ time to target on any link, so this table gives quality only:
   range over its probes, and whether each probe's loss equalled the loopback
   trajectory's (no time to target: that needs every method's 3 seeds and
   the validation runs);
+- the probes and trajectories set aside (``lm.py --reprobe`` / ``--rerun``), beside
+  today's; which trajectories today's code reproduces (``recheck``); and each whole run
+  on a link against its seed's loopback trajectory, evaluation by evaluation;
 - beside PyTorch DDP and torchft (:mod:`experiments.studies.lm_peers`): time to
   target on every link for the methods probed on all of them, and each
   framework's best.
@@ -40,6 +43,7 @@ from experiments.studies.lm_methods import (
 )
 from experiments.studies.ngram import ngram_line
 from experiments.studies.report import (
+    RATE_NAMES,
     RATE_ORDER,
     cell_probes,
     probe_summary,
@@ -140,6 +144,7 @@ def report(results: dict, n: int = 2) -> str:
     lines += superseded_lines(results, n)
     lines += superseded_run_lines(results, n)
     lines += recheck_lines(results, n)
+    lines += whole_run_lines(results, n)
     lines += peers
     ngram = ngram_line(results)
     if ngram:
@@ -219,6 +224,35 @@ def superseded_run_lines(results: dict, n: int = 2) -> list[str]:
     return ["", *(f"Trajectories set aside ({why}; JSON: superseded_runs), the old final "
                   f"validation loss → today's run's: {'; '.join(c)}."
                   for why, c in by_why.items())]  # fmt: skip
+
+
+def whole_run_lines(results: dict, n: int = 2) -> list[str]:
+    """Markdown lines: whether each whole run on a shaped link (``--phases=validate``)
+    evaluated to the same validation losses as its seed's loopback trajectory, to the last
+    digit (the trajectory does not depend on the link), else from which step and by how
+    much they differ."""
+    runs = {(r["method"], r["seed"]): r for r in results["runs"] if r["n"] == n}
+    said = []
+    for v in (v for v in results.get("validation", []) if v["n"] == n):
+        base = runs.get((v["method"], v["seed"]))
+        if base is None:
+            continue
+        ref = {p["step"]: p["eval_loss"] for p in base["curve"]}
+        pairs = [
+            (p["step"], p["eval_loss"], ref[p["step"]]) for p in v["curve"] if p["step"] in ref
+        ]
+        off = [i for i, (_, a, b) in enumerate(pairs) if a != b]
+        where = f"{v['method']} at {RATE_NAMES[v['rate']]}"
+        if not off:
+            said.append(f"{where}: equal at all {len(pairs)} evaluations")
+            continue
+        most = max(abs(pairs[i][1] - pairs[i][2]) for i in off)
+        upto = f"equal through step {pairs[off[0] - 1][0]}, " if off[0] else ""
+        said.append(f"{where}: {upto}different from step {pairs[off[0]][0]} (at most {most:.1e})")
+    if not said:
+        return []
+    return ["", "Whole runs on a link against their seed's loopback trajectory, evaluation by "
+            f"evaluation: {'; '.join(said)}."]  # fmt: skip
 
 
 def recheck_lines(results: dict, n: int = 2) -> list[str]:
