@@ -317,17 +317,17 @@ def set_aside_runs(
     if unknown:
         raise ValueError(f"--rerun: unknown methods {unknown}; choose from the study's runs")
     # only unstamped runs: a second run of the same command keeps the ones the first made
-    mine = lambda r: r["method"] in methods and r["n"] in ns and r["seed"] in seeds
-    old = [r for r in results["runs"] if mine(r) and not r.get("commit")]
-    results["runs"] = [r for r in results["runs"] if not any(r is o for o in old)]
-    checks = results.get("recheck", [])
-    for r in old:
-        was = [c for c in checks if (c["n"], c["method"], c["seed"]) == (r["n"], r["method"],
-                                                                          r["seed"])]  # fmt: skip
-        checks[:] = [c for c in checks if not any(c is w for w in was)]
-        results.setdefault("superseded_runs", []).append(
-            {**r, "why": why, **({"recheck": was[0]} if was else {})}
-        )
+    key = lambda r: (r["n"], r["method"], r["seed"])
+    stale = lambda r: r["method"] in methods and r["n"] in ns and r["seed"] in seeds
+    old = [r for r in results["runs"] if stale(r) and not r.get("commit")]
+    gone = {key(r) for r in old}
+    results["runs"] = [r for r in results["runs"] if not (stale(r) and not r.get("commit"))]
+    checks = {key(c): c for c in results.get("recheck", []) if key(c) in gone}
+    if "recheck" in results:
+        results["recheck"] = [c for c in results["recheck"] if key(c) not in gone]
+    results.setdefault("superseded_runs", []).extend(
+        {**r, "why": why, **({"recheck": checks[key(r)]} if key(r) in checks else {})} for r in old
+    )
     print(f"set aside {len(old)} trajectories of {methods}: {why}", flush=True)
 
 

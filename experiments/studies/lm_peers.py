@@ -235,7 +235,7 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
         out.append(f"| {m} | " + " | ".join(row) + " |")
     pairs = []
     for jax, torch in PAIRS:
-        after = next((a for a, of in UNOVERLAPPED.items() if of == torch and a in over), None)
+        after = _unoverlapped(over, torch)
         if jax in over and torch in over:
             ex = []
             for r in RATES:
@@ -247,6 +247,12 @@ def floor_lines(results: dict, v: dict, n: int) -> list[str]:
                     ex.append(cell)
             pairs.append(f"- {jax} against {torch}, ms beyond each one's floor: {'; '.join(ex)}.")
     return out + ([""] + pairs if pairs else [])
+
+
+def _unoverlapped(over: dict, method: str) -> str | None:
+    """The probed diagnostic of DDP ``method`` without its overlap
+    (:data:`~experiments.studies.lm_methods.UNOVERLAPPED`), or None."""
+    return next((a for a, of in UNOVERLAPPED.items() if of == method and a in over), None)
 
 
 def _step_against(v: dict, over: dict, rate: str, theirs: str, mine: str) -> str:
@@ -262,7 +268,7 @@ def _step_against(v: dict, over: dict, rate: str, theirs: str, mine: str) -> str
         ms, floor = over[m][rate]
         return f"{ms:.0f} ms a step ({ms - floor:+.0f} over its floor"
 
-    after = next((a for a, of in UNOVERLAPPED.items() if of == theirs and a in over), None)
+    after = _unoverlapped(over, theirs)
     unlapped = ""
     if after and rate in over[after]:
         unlapped = f", {over[after][rate][0] - over[after][rate][1]:+.0f} without DDP's overlap"
@@ -285,11 +291,10 @@ def headline(results: dict, n: int = 2) -> str | None:
             return "none that counts" if e else "not probed on every link"
         return f"{e['method']} {report._s(e['cell']['median'])} s"
 
-    parts, behind, ahead_on = [], set(), []
+    parts, ahead_on = [], []
     for rate in RATES[1:]:
         b = best(v, rate)
         ratios = {k: _ratio(b["jaxcomm"], b[k]) for k in ("PyTorch DDP", "torchft")}
-        behind |= {b[k]["method"] for k, r in ratios.items() if r is not None and r[0] < 1}
         ahead_on += [(rate, b[k]["method"], b["jaxcomm"]["method"])
                      for k, r in ratios.items() if r is not None and r[0] < 1]  # fmt: skip
         ddp, ft = (f"{r[0]:.2f}×" if r else "—" for r in ratios.values())
@@ -306,7 +311,8 @@ def headline(results: dict, n: int = 2) -> str | None:
         floor = (f"; jaxcomm's dense step over its floor against DDP's: {', '.join(ex)} "
                  f"({', '.join(report.RATE_NAMES[r] for r in RATES[1:])})")  # fmt: skip
     why = ""
-    for m in sorted(behind):  # a peer ahead: how jaxcomm's run of the same method ends
+    # a peer ahead: how jaxcomm's run of the same method ends
+    for m in sorted({m for _, m, _ in ahead_on}):
         twin = variant(m)
         if twin != "dense" and twin in v["methods"]:
             mine, theirs = v["methods"][twin], v["methods"][m]
